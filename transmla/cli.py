@@ -1,0 +1,87 @@
+"""The `transmla` console command.
+
+Subcommands print one JSON object on stdout (machine-readable), progress and logs on stderr.
+User errors print one line `transmla: error: ... Fix: ...` and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .errors import TransMLAError
+from .sources import DEFAULT_SOURCE, SYNTAX_HELP
+
+SOURCE_HELP = f"model source (default {DEFAULT_SOURCE}); {SYNTAX_HELP}"
+
+
+def _offline_defaults() -> None:
+    # This project's default sources are all local; never let a library wander to a hub unasked.
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def cmd_fetch_model(args) -> dict:
+    from .sources import fetch_model
+
+    return fetch_model(args.source, args.out, cache=args.cache_dir)
+
+
+def cmd_ppl(args) -> dict:
+    from .perplexity import wikitext2_perplexity
+    from .sources import load_model, source_info
+
+    info = source_info(args.model, cache=args.cache_dir)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, cache=args.cache_dir)
+    out = wikitext2_perplexity(model, tok, seqlen=args.seqlen, max_tokens=args.max_tokens, data_dir=args.data_dir)
+    out["model"] = args.model
+    out["content_hash"] = info.get("content_hash")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="transmla",
+        description="Convert GQA models to DeepSeek-style multi-head latent attention (TransMLA).",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--cache-dir", default=None, help="model cache (default $TRANSMLA_CACHE_DIR or ~/.cache/transmla)")
+
+    f = sub.add_parser("fetch-model", parents=[common], help="materialise a model source as a safetensors HF directory",
+                       description="Write a model source as a plain safetensors Hugging Face directory.")
+    f.add_argument("source", nargs="?", default=DEFAULT_SOURCE, help=SOURCE_HELP)
+    f.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    f.set_defaults(func=cmd_fetch_model)
+
+    q = sub.add_parser("ppl", parents=[common], help="WikiText-2 test perplexity",
+                       description="WikiText-2 test perplexity: rows joined with blank lines, tokenised once, "
+                                   "non-overlapping windows, mean NLL over all predicted tokens.")
+    q.add_argument("--model", default=DEFAULT_SOURCE, help=SOURCE_HELP)
+    q.add_argument("--seqlen", type=int, default=2048, help="window length in tokens (default 2048)")
+    q.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
+    q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype (default float32)")
+    q.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    q.add_argument("--data-dir", default=None, help="offline data folder (default $TRANSMLA_DATA_DIR or ../shared/data)")
+    q.set_defaults(func=cmd_ppl)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    _offline_defaults()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = args.func(args)
+    except TransMLAError as e:
+        print(f"transmla: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=None if args.command != "fetch-model" else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

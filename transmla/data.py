@@ -1,0 +1,105 @@
+"""One small registry of the data sets the pipeline uses.
+
+Offline (default): local JSONL files under the shared data folder (`../shared/data` beside the repo,
+overridable by `TRANSMLA_DATA_DIR` or an explicit `data_dir`). Online: the same data set by its hub
+name, for machines that reach a hub (`source="hub"`, or `TRANSMLA_DATA_SOURCE=hub`).
+
+Rows keep the schema of the hub data set, so lm-eval task definitions and the calibration code read
+either source unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import TransMLAError
+from .paths import DATA_DIR_ENV, data_dir
+
+DATA_SOURCE_ENV = "TRANSMLA_DATA_SOURCE"
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A data set: a local JSONL file (relative to the data dir) and its hub equivalent."""
+
+    name: str
+    local_file: str
+    hub_path: str
+    hub_name: str | None
+    hub_split: str
+    text_field: str | None = "text"
+
+
+REGISTRY: dict[str, DatasetSpec] = {
+    s.name: s
+    for s in [
+        DatasetSpec("wikitext2-test", "wikitext2/test.jsonl", "wikitext", "wikitext-2-raw-v1", "test"),
+        # Only the first ~2.9 MB of the train split exists offline; it is the calibration source.
+        DatasetSpec("wikitext2-train", "wikitext2/train_partial.jsonl", "wikitext", "wikitext-2-raw-v1", "train"),
+        DatasetSpec("c4-demo", "corpus/c4_demo.jsonl", "allenai/c4", "en", "train"),
+        DatasetSpec("wiki-demo", "corpus/wiki_demo.jsonl", "wikimedia/wikipedia", "20231101.en", "train"),
+        DatasetSpec("arc_easy", "benchmarks/arc_easy_test.jsonl", "allenai/ai2_arc", "ARC-Easy", "test", None),
+        DatasetSpec("arc_challenge", "benchmarks/arc_challenge_test.jsonl", "allenai/ai2_arc", "ARC-Challenge", "test", None),
+        DatasetSpec("hellaswag", "benchmarks/hellaswag_validation.jsonl", "Rowan/hellaswag", None, "validation", None),
+        DatasetSpec("piqa", "benchmarks/piqa_validation.jsonl", "baber/piqa", None, "validation", None),
+        DatasetSpec("openbookqa", "benchmarks/openbookqa_test.jsonl", "allenai/openbookqa", "main", "test", None),
+        DatasetSpec("winogrande", "benchmarks/winogrande_xl_validation.jsonl", "allenai/winogrande", "winogrande_xl", "validation", None),
+        DatasetSpec("mmlu_test", "benchmarks/mmlu_test.jsonl", "cais/mmlu", "all", "test", None),
+        DatasetSpec("mmlu_dev", "benchmarks/mmlu_dev.jsonl", "cais/mmlu", "all", "dev", None),
+        DatasetSpec("mmlu_validation", "benchmarks/mmlu_validation.jsonl", "cais/mmlu", "all", "validation", None),
+    ]
+}
+
+
+def spec(name: str) -> DatasetSpec:
+    if name not in REGISTRY:
+        raise TransMLAError(
+            f"Unknown data set {name!r}.", f"use one of: {', '.join(sorted(REGISTRY))}."
+        )
+    return REGISTRY[name]
+
+
+def local_path(name: str, data_dir_override: str | os.PathLike | None = None) -> Path:
+    """Absolute path of a data set's local file; a clear error if it is missing."""
+    s = spec(name)
+    root = data_dir(data_dir_override)
+    path = root / s.local_file
+    if not path.is_file():
+        raise TransMLAError(
+            f"Data file not found: {path} (data set {name!r}).",
+            f"point the environment variable {DATA_DIR_ENV} (or the `data_dir` param) at the folder "
+            f"holding the offline data (the repository expects it at ../shared/data), "
+            f"or set {DATA_SOURCE_ENV}=hub on a machine with hub access.",
+        )
+    return path
+
+
+def _source(source: str | None) -> str:
+    source = source or os.environ.get(DATA_SOURCE_ENV, "local")
+    if source not in ("local", "hub"):
+        raise TransMLAError(f"Unknown data source {source!r}.", f"set {DATA_SOURCE_ENV} to 'local' or 'hub'.")
+    return source
+
+
+def load_rows(name: str, data_dir_override=None, source: str | None = None) -> list[dict]:
+    """All rows of a data set, as dicts in the hub schema."""
+    s = spec(name)
+    if _source(source) == "hub":
+        import datasets  # heavy; only on the online path
+
+        ds = datasets.load_dataset(s.hub_path, s.hub_name, split=s.hub_split)
+        return [dict(r) for r in ds]
+    path = local_path(name, data_dir_override)
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_texts(name: str, data_dir_override=None, source: str | None = None) -> list[str]:
+    """The `text` field of every row (blank rows kept, as WikiText-2 perplexity expects)."""
+    s = spec(name)
+    if s.text_field is None:
+        raise TransMLAError(f"Data set {name!r} has no single text field.", "use load_rows() instead.")
+    return [r[s.text_field] for r in load_rows(name, data_dir_override, source)]
