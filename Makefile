@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 
 repro: setup
-	$(BIN)/transmla ppl --model smollm2-135m
+	$(BIN)/dvc repro
 
 test: setup
 	$(BIN)/python -m pytest -q tests

@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype (default float32)")
     q.add_argument("--device", default="cpu", help="torch device (default cpu)")
     q.add_argument("--data-dir", default=None, help="offline data folder (default $TRANSMLA_DATA_DIR or ../shared/data)")
+    q.add_argument("--out", default=None, help="also write the JSON result to this file (atomically)")
     q.set_defaults(func=cmd_ppl)
     return p
 
@@ -79,8 +80,22 @@ def main(argv: list[str] | None = None) -> int:
     except TransMLAError as e:
         print(f"transmla: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=None if args.command != "fetch-model" else 2))
+    text = json.dumps(result, indent=None if args.command != "fetch-model" else 2)
+    if getattr(args, "out", None) and args.command != "fetch-model":
+        _write_atomic(args.out, text + "\n")
+    print(text)
     return 0
+
+
+def _write_atomic(path: str, text: str) -> None:
+    """Write via a temporary file + rename, so a failed run never leaves a half-written result."""
+    from pathlib import Path
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(p)
 
 
 if __name__ == "__main__":
