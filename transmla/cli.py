@@ -41,6 +41,22 @@ def cmd_ppl(args) -> dict:
     return out
 
 
+def cmd_convert(args) -> dict:
+    from .convert import ConvertOptions, convert
+
+    opts = ConvertOptions(
+        method=args.method, kv_cache_ratio=args.kv_cache_ratio, qk_rope_dim=args.qk_rope_dim,
+        kv_lora_rank=args.kv_lora_rank, freqfold=args.freqfold, q_lora_rank=args.q_lora_rank,
+        balance_kv=not args.no_balance_kv, pca=args.pca, lossless=args.lossless,
+        cal_nsamples=args.cal_nsamples, cal_seqlen=args.cal_seqlen, seed=args.seed, dtype=args.dtype,
+        device=args.device,
+    )
+    meta = convert(args.model, args.out, opts, cache=args.cache_dir, data_dir=args.data_dir)
+    keys = ("method", "source", "qk_rope_head_dim", "kv_lora_rank", "kv_cache_ratio", "kv_cache_reduction",
+            "mean_alpha", "calibration_seconds", "seconds", "peak_rss_gib", "notes")
+    return {"out": str(args.out), **{k: meta[k] for k in keys}}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="transmla",
@@ -68,6 +84,29 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--data-dir", default=None, help="offline data folder (default $TRANSMLA_DATA_DIR or ../shared/data)")
     q.add_argument("--out", default=None, help="also write the JSON result to this file (atomically)")
     q.set_defaults(func=cmd_ppl)
+
+    c = sub.add_parser("convert", parents=[common], help="convert a GQA model to DeepSeek-V3 MLA",
+                       description="Convert a GQA model (Llama, Qwen2, Mistral, SmolLM) into a stock DeepSeek-V3 "
+                                   "MLA checkpoint: merge KV heads, RoRoPE + FreqFold, BKV joint PCA.")
+    c.add_argument("--model", default=DEFAULT_SOURCE, help=SOURCE_HELP)
+    c.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    c.add_argument("--method", default="transmla", choices=["transmla", "mha2mla"], help="transmla (default) or the MHA2MLA baseline")
+    c.add_argument("--kv-cache-ratio", type=float, default=None,
+                   help="target fraction of the original per-token KV cache (e.g. 0.125 = 87.5%% cut); picks rope dim and rank")
+    c.add_argument("--qk-rope-dim", type=int, default=None, help="RoPE dims kept (qk_rope_head_dim; must divide head dim)")
+    c.add_argument("--kv-lora-rank", type=int, default=None, help="latent rank of the compressed KV")
+    c.add_argument("--freqfold", type=int, default=4, choices=[1, 2, 4, 8], help="adjacent frequencies per RoRoPE PCA (default 4)")
+    c.add_argument("--q-lora-rank", type=int, default=None, help="low-rank queries from PCA of query activations")
+    c.add_argument("--no-balance-kv", action="store_true", help="ablation: skip the key/value norm balancing")
+    c.add_argument("--pca", default="activations", choices=["activations", "weights"], help="joint KV PCA basis source")
+    c.add_argument("--lossless", action="store_true", help="keep RoPE on all g*d key dims, no rank cut (exact)")
+    c.add_argument("--cal-nsamples", type=int, default=128, help="calibration sequences (default 128)")
+    c.add_argument("--cal-seqlen", type=int, default=256, help="tokens per calibration sequence (default 256)")
+    c.add_argument("--seed", type=int, default=42, help="calibration sampling seed")
+    c.add_argument("--dtype", default="float32", help="exported weight dtype: float32 or bfloat16 (float16 is refused)")
+    c.add_argument("--device", default="cpu", help="torch device for calibration (default cpu)")
+    c.add_argument("--data-dir", default=None, help="offline data folder (default $TRANSMLA_DATA_DIR or ../shared/data)")
+    c.set_defaults(func=cmd_convert)
     return p
 
 
@@ -80,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     except TransMLAError as e:
         print(f"transmla: error: {e}", file=sys.stderr)
         return 2
-    text = json.dumps(result, indent=None if args.command != "fetch-model" else 2)
-    if getattr(args, "out", None) and args.command != "fetch-model":
+    text = json.dumps(result, indent=None if args.command == "ppl" else 2)
+    if getattr(args, "out", None) and args.command == "ppl":
         _write_atomic(args.out, text + "\n")
     print(text)
     return 0

@@ -1,0 +1,103 @@
+"""RoRoPE and FreqFold (paper section 4.2, appendix C).
+
+After the KV heads are merged into one latent key of width g*d (section 4.1), the RoPE term of every
+score is a sum over frequencies l of products of 2g-dim (real, imag) vectors. Any orthogonal U_l
+applied identically to the real parts [k_{i*d+l}]_i and the imaginary parts [k_{i*d+l+d/2}]_i of
+query and key leaves q.k unchanged (eq. 6). RoRoPE picks U_l by PCA of the keys, using ONE rotation for
+the real and imaginary parts: eigenvectors of Sigma_re + Sigma_im. FreqFold M treats M adjacent
+frequencies as one and runs the PCA on g*M-dim vectors jointly, so a few components gather more of the
+positional energy.
+
+The result is an orthogonal basis change T of the merged key, [g*d, g*d]. Its first R rows are the
+coordinates that keep RoPE, laid out as a rotate_half RoPE head of dim R (R/2 real rows, then R/2
+imaginary rows; pair p rotates at original frequency plan[p]); the other g*d - R rows are NoPE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import TransMLAError
+from .linalg import eigh_desc
+
+FREQFOLDS = (1, 2, 4, 8)
+
+
+@dataclass
+class KeyRotation:
+    """An orthogonal change of basis of the merged key and which rows keep RoPE.
+
+    T: [g*d, g*d] float64, rows = new coordinates (first 2*len(plan) are RoPE, rotate_half layout).
+    plan: original frequency index of each RoPE pair.
+    energy: fraction of the key's RoPE-carrying energy captured by the kept rows (diagnostic).
+    """
+
+    T: torch.Tensor
+    plan: list[int]
+    energy: float
+
+    @property
+    def rope_dim(self) -> int:
+        return 2 * len(self.plan)
+
+
+def _pair_indices(g: int, d: int, freqs: range) -> tuple[list[int], list[int]]:
+    """Merged-key indices of the real and imaginary parts of `freqs` across all g heads (rotate_half)."""
+    half = d // 2
+    re = [i * d + l for l in freqs for i in range(g)]
+    return re, [k + half for k in re]
+
+
+def validate_freqfold(freqfold: int, d: int) -> None:
+    if freqfold not in FREQFOLDS or (d // 2) % freqfold:
+        raise TransMLAError(
+            f"freqfold={freqfold} is not valid for head dim {d}.",
+            f"use one of {[m for m in FREQFOLDS if (d // 2) % m == 0]}.",
+        )
+
+
+def rorope(cov_k: torch.Tensor, g: int, d: int, plan: list[int], freqfold: int = 1) -> KeyRotation:
+    """RoRoPE (+FreqFold) rotation from the merged-key second moment cov_k = E[k k^T], [g*d, g*d].
+
+    Each frequency group (M = freqfold adjacent frequencies) gets one PCA over its g*M real and g*M
+    imaginary coordinates. Its top components go to the RoPE pairs whose planned frequency falls in the
+    group (in order); the rest become NoPE coordinates.
+    """
+    validate_freqfold(freqfold, d)
+    half, L, R = d // 2, g * d, 2 * len(plan)
+    T = torch.zeros(L, L, dtype=torch.float64)
+    nope_row = R
+    kept, total = 0.0, 0.0
+    for j in range(half // freqfold):
+        freqs = range(j * freqfold, (j + 1) * freqfold)
+        re, im = _pair_indices(g, d, freqs)
+        vals, U = eigh_desc(cov_k[re][:, re] + cov_k[im][:, im])
+        slots = [p for p, l in enumerate(plan) if l in freqs]
+        if len(slots) > U.shape[1]:
+            raise TransMLAError(
+                f"{len(slots)} RoPE pairs planned in a frequency group with only {U.shape[1]} components.",
+                "lower qk_rope_head_dim or raise freqfold.",
+            )
+        for a in range(U.shape[1]):
+            if a < len(slots):
+                r_re, r_im = slots[a], half_rope(R) + slots[a]
+            else:
+                r_re, r_im = nope_row, nope_row + 1
+                nope_row += 2
+            T[r_re, re] = U[:, a]
+            T[r_im, im] = U[:, a]
+        kept += vals[: len(slots)].clamp_min(0).sum().item()
+        total += vals.clamp_min(0).sum().item()
+    assert nope_row == L
+    return KeyRotation(T=T, plan=list(plan), energy=kept / total if total > 0 else 1.0)
+
+
+def half_rope(R: int) -> int:
+    return R // 2
+
+
+def identity_rotation(g: int, d: int) -> torch.Tensor:
+    """The merged key with no rotation (head merge only): T = I. For tests of the merge itself."""
+    return torch.eye(g * d, dtype=torch.float64)
