@@ -75,9 +75,11 @@ def collect_stats(model, ids: torch.Tensor, batch_size: int = 8, progress: bool 
 
     def make_hook(i):
         def hook(_module, _inp, out):
-            x = out.detach().reshape(-1, D).to(torch.float64).cpu()
-            xx[i].add_(x.T @ x)
-            xsum[i].add_(x.sum(0))
+            # One batch's products in float32 (a few thousand tokens: no precision issue, 3x faster
+            # than float64 on CPU), accumulated across batches in float64.
+            x = out.detach().reshape(-1, D).float()
+            xx[i].add_((x.T @ x).cpu().double())
+            xsum[i].add_(x.sum(0).cpu().double())
 
         return hook
 

@@ -80,6 +80,18 @@ def check_state_dict(config, state_dict: dict[str, torch.Tensor]) -> None:
         raise RuntimeError(f"export mismatch: missing={missing[:5]} extra={extra[:5]} shape={bad[:5]}")
 
 
+def instantiate(config, state_dict: dict[str, torch.Tensor]):
+    """The converted model in memory (no disk round trip), as stock DeepseekV3ForCausalLM."""
+    from transformers import DeepseekV3ForCausalLM
+
+    check_state_dict(config, state_dict)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config)
+    model.load_state_dict(state_dict, assign=True, strict=True)
+    model.model.rotary_emb.__init__(config)  # non-persistent RoPE buffers were created on meta
+    return model.eval()
+
+
 def write_checkpoint(out: str | Path, config, state_dict: dict[str, torch.Tensor], tokenizer, metadata: dict) -> Path:
     """Write config + safetensors + tokenizer + metadata atomically to `out`."""
     from huggingface_hub import save_torch_state_dict

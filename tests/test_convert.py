@@ -1,0 +1,234 @@
+"""The converter on tiny random Llama/Qwen2 models: exactness of every exact step, the export
+format, and one clear error for each impossible request."""
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from transmla.adapters import attention_weights, read_spec
+from transmla.bkv import joint_basis
+from transmla.calibration import calibration_ids, collect_stats
+from transmla.convert import ConvertOptions, assemble, convert, convert_layers, layer_rotation, resolve_budget
+from transmla.data import load_texts
+from transmla.errors import TransMLAError
+from transmla.export import instantiate
+from transmla.linalg import affine_second_moment
+from transmla.mla import LATENT_NORM_EPS, build_mla_layer, norm_identity_scale
+from transmla.rope import inv_freq, lossless_plan, standard_plan
+from transmla.rorope import KeyRotation, rorope
+from transmla.sources import load_model
+
+CAL = dict(cal_nsamples=8, cal_seqlen=64, cal_batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    model, tok = load_model(str(tiny_model_dir))
+    spec = read_spec(model.config)
+    ids = calibration_ids(tok, load_texts("wikitext2-train"), 8, 64, seed=0)
+    return model, tok, spec, collect_stats(model, ids, 4, progress=False)
+
+
+def _text_ids(tok, n=200):
+    text = "\n\n".join(load_texts("wikitext2-test")[1:30])
+    return tok(text, return_tensors="pt").input_ids[:, :n]
+
+
+def _logprobs(model, ids):
+    with torch.no_grad():
+        return torch.log_softmax(model(ids).logits.float(), -1)
+
+
+def _in_memory(tiny, o, rot_fn=None, rank=None):
+    model, tok, spec, stats = tiny
+    budget = resolve_budget(spec, o)
+    if rank is not None:
+        budget = replace(budget, kv_lora_rank=rank)
+    layers, _ = convert_layers(model, stats, spec, budget, o, progress=False)
+    return instantiate(*assemble(model, spec, budget, layers, o, {}))
+
+
+def merge_only_rotation(g, d):
+    """The head merge alone: merged key coordinates permuted into the RoPE layout, no PCA."""
+    half, L = d // 2, g * d
+    plan = lossless_plan(d, g)
+    T = torch.zeros(L, L, dtype=torch.float64)
+    for p, l in enumerate(plan):
+        i = p % g
+        T[p, i * d + l] = 1
+        T[L // 2 + p, i * d + l + half] = 1
+    return KeyRotation(T, plan, 1.0)
+
+
+def test_head_merge_is_exact(tiny):
+    """Step 4.1 alone (merged latent head + per-query-head up-projections), full rank, no rotation."""
+    model, tok, spec, stats = tiny
+    o = ConvertOptions(lossless=True, **CAL)
+    budget = resolve_budget(spec, o)
+    layers = []
+    for i in range(spec.n_layers):
+        w = attention_weights(model, i)
+        rot = merge_only_rotation(spec.g, spec.d)
+        basis = joint_basis(torch.zeros(0, spec.D, dtype=torch.float64), w.wv, stats.second_moment(i), spec.g * spec.d)
+        layers.append(build_mla_layer(w, rot, basis, spec.h, spec.g, spec.d, stats.second_moment(i), stats.mean(i))[0])
+    mla = instantiate(*assemble(model, spec, budget, layers, o, {}))
+    ids = _text_ids(tok)
+    assert (_logprobs(mla, ids) - _logprobs(model, ids)).abs().max() < 1e-4
+
+
+def _rope(x, plan_freqs, pos):
+    """Apply RoPE in rotate_half layout to x [..., 2n] with frequencies plan_freqs [n] at positions pos."""
+    n = x.shape[-1] // 2
+    ang = pos[:, None] * plan_freqs[None]
+    re, im = x[..., :n], x[..., n:]
+    return torch.cat([re * ang.cos() - im * ang.sin(), re * ang.sin() + im * ang.cos()], -1)
+
+
+@pytest.mark.parametrize("freqfold", [1, 2, 4])
+def test_rorope_rotation_preserves_rope_scores(freqfold):
+    """Eq. 6: with all coordinates kept and each rotated at its group's frequency, q.k under RoPE is
+    unchanged by RoRoPE for FreqFold 1; T is orthogonal for every FreqFold."""
+    torch.manual_seed(0)
+    g, d = 3, 16
+    A = torch.randn(g * d, g * d, dtype=torch.float64)
+    rot = rorope(A @ A.T, g, d, lossless_plan(d, g) if freqfold == 1 else standard_plan(d, 4), freqfold)
+    assert torch.allclose(rot.T @ rot.T.T, torch.eye(g * d, dtype=torch.float64), atol=1e-10)
+    if freqfold != 1:
+        return
+    theta = inv_freq(10000.0, d)
+    pos = torch.arange(7, dtype=torch.float64)
+    k = torch.randn(7, g * d, dtype=torch.float64)
+    q = torch.randn(7, g * d, dtype=torch.float64)
+    # original: every head rotated at its own frequencies (rotate_half per head)
+    per_head = lambda x: torch.cat([_rope(x[:, i * d:(i + 1) * d], theta, pos) for i in range(g)], -1)  # noqa: E731
+    ref = per_head(q) @ per_head(k).T
+    freqs = theta[rot.plan]
+    new = _rope(q @ rot.T.T, freqs, pos) @ _rope(k @ rot.T.T, freqs, pos).T
+    assert torch.allclose(ref, new, atol=1e-9)
+
+
+def test_lossless_export_matches_original(tiny, tmp_path, tiny_model_dir):
+    """Acceptance 1 on tiny Llama and Qwen2 (with q/k/v biases): stock AutoModelForCausalLM."""
+    model, tok, spec, _ = tiny
+    out = tmp_path / "mla"
+    convert(str(tiny_model_dir), out, ConvertOptions(lossless=True, **CAL), progress=False)
+    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(mla).__name__ == "DeepseekV3ForCausalLM"
+    ids = _text_ids(tok)
+    assert (_logprobs(mla, ids) - _logprobs(model, ids)).abs().max() < 1e-3
+    prompt = ids[:, :8]
+    a = model.generate(prompt, max_new_tokens=32, do_sample=False, min_new_tokens=32)
+    b = mla.generate(prompt, max_new_tokens=32, do_sample=False, min_new_tokens=32)
+    assert torch.equal(a, b)
+
+
+def test_bkv_scaling_exact_before_rank_cut(tiny):
+    """alpha rescales keys against up-projections: at full rank BKV on/off give the same model."""
+    ids = _text_ids(tiny[1])
+    on = _in_memory(tiny, ConvertOptions(qk_rope_dim=8, freqfold=2, **CAL))
+    off = _in_memory(tiny, ConvertOptions(qk_rope_dim=8, freqfold=2, balance_kv=False, **CAL))
+    assert (_logprobs(on, ids) - _logprobs(off, ids)).abs().max() < 1e-4
+    # and the rank cut after balancing really is a cut: rank 8 differs
+    cut = _in_memory(tiny, ConvertOptions(qk_rope_dim=8, kv_lora_rank=8, freqfold=2, **CAL))
+    assert (_logprobs(cut, ids) - _logprobs(on, ids)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_a_layernorm_identity(dtype):
+    """RMSNorm(c / s) * (s sqrt(eps)) = c for ordinary and 1e4x outlier tokens (float32 and bfloat16)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    torch.manual_seed(0)
+    r = 32
+    c = torch.randn(64, r, dtype=torch.float64)
+    c[0] *= 100.0  # energy 1e4 x the average
+    s = norm_identity_scale(c[1:].pow(2).mean().item(), LATENT_NORM_EPS)  # sized on the ordinary tokens
+    norm = DeepseekV3RMSNorm(r)  # transformers' kv_a_layernorm: eps 1e-6
+    norm.weight.data.fill_(s * math.sqrt(LATENT_NORM_EPS))
+    norm = norm.to(dtype)
+    y = norm((c / s).to(dtype)).double()
+    rel = ((y - c).norm(dim=-1) / c.norm(dim=-1)).max().item()
+    assert rel < (1e-5 if dtype == torch.float32 else 1e-2)  # bf16: its own rounding, not the identity
+
+
+def test_export_format(tiny, tmp_path, tiny_model_dir):
+    model, tok, spec, _ = tiny
+    out = tmp_path / "mla"
+    convert(str(tiny_model_dir), out, ConvertOptions(kv_cache_ratio=0.5, **CAL), progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "deepseek_v3" and cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert cfg["first_k_dense_replace"] == spec.n_layers and isinstance(cfg["n_routed_experts"], int)
+    assert cfg["num_key_value_heads"] == cfg["num_attention_heads"] == spec.h
+    assert cfg["rope_interleave"] is True and cfg["tie_word_embeddings"] is False
+    assert cfg["q_lora_rank"] is None or isinstance(cfg["q_lora_rank"], int)
+    assert cfg["qk_rope_head_dim"] + cfg["kv_lora_rank"] == spec.g * spec.d  # 50% of 2 g d
+    t = cfg["transmla"]
+    assert t["method"] == "transmla" and t["source_content_hash"] and t["kv_cache_ratio"] == 0.5
+    assert t["seconds"] > 0 and t["peak_rss_gib"] > 0
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" in f.keys()
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_low_rank_q(tiny):
+    """q_lora_rank = full query rank is exact; smaller ranks run (and differ)."""
+    model, tok, spec, _ = tiny
+    ids = _text_ids(tok)
+    base = ConvertOptions(qk_rope_dim=8, freqfold=2, **CAL)
+    ref = _logprobs(_in_memory(tiny, base), ids)
+    full = _logprobs(_in_memory(tiny, replace(base, q_lora_rank=spec.D)), ids)
+    assert (full - ref).abs().max() < 1e-3
+    low = _logprobs(_in_memory(tiny, replace(base, q_lora_rank=8)), ids)
+    assert torch.isfinite(low).all() and (low - ref).abs().max() > 1e-3
+
+
+def test_budget_shorthand_reproduces_paper_settings():
+    from transmla.adapters import GQASpec
+
+    smol = GQASpec("llama", 576, 9, 3, 64, 30, 1e5, 1e-5, 49152, 1536, "silu", 8192, True, 1, 2, None)
+    b = resolve_budget(smol, ConvertOptions(kv_cache_ratio=0.3125))
+    assert (b.rope_dim, b.kv_lora_rank) == (32, 88)
+    b = resolve_budget(smol, ConvertOptions(kv_cache_ratio=0.125))
+    assert (b.rope_dim, b.kv_lora_rank) == (16, 32)
+    llama2 = GQASpec("llama", 4096, 32, 32, 128, 32, 1e4, 1e-5, 32000, 11008, "silu", 4096, False, 1, 2, None)
+    b = resolve_budget(llama2, ConvertOptions(kv_cache_ratio=1 - 0.9297))
+    assert (b.rope_dim, b.kv_lora_rank) == (64, 512)
+
+
+@pytest.mark.parametrize(
+    "opts, words",
+    [
+        (dict(qk_rope_dim=16, kv_lora_rank=10_000), "kv_lora_rank=10000 is impossible"),
+        (dict(qk_rope_dim=6), "must be even and divide"),
+        (dict(dtype="float16"), "float16"),
+        (dict(freqfold=3), "freqfold=3"),
+        (dict(kv_cache_ratio=1.5), "not in"),
+    ],
+)
+def test_bad_requests_leave_nothing(tiny_model_dir, tmp_path, opts, words):
+    out = tmp_path / "out"
+    with pytest.raises(TransMLAError, match=words) as e:
+        convert(str(tiny_model_dir), out, ConvertOptions(**CAL, **opts), progress=False)
+    assert "Fix:" in str(e.value)
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_unsupported_architecture_cli(tmp_path, tiny_tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    src = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(tiny_tokenizer))).save_pretrained(src)
+    tiny_tokenizer.save_pretrained(src)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "transmla.cli", "convert", "--model", str(src), "--out", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "Unsupported architecture 'gpt2'" in r.stderr
+    assert not out.exists()

@@ -1,0 +1,54 @@
+"""The converter on the real SmolLM2-135M (GGUF from PyPI)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from transmla.adapters import read_spec
+from transmla.calibration import calibration_ids, collect_stats
+from transmla.convert import ConvertOptions, assemble, convert, convert_layers, resolve_budget
+from transmla.data import load_texts
+from transmla.export import instantiate
+from transmla.fast_attention import use_causal_padded_sdpa
+from transmla.perplexity import perplexity, tokenize_corpus
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def calibrated(smollm2):
+    model, tok = smollm2
+    o = ConvertOptions()
+    ids = calibration_ids(tok, load_texts(o.cal_dataset), o.cal_nsamples, o.cal_seqlen, o.seed)
+    return model, tok, read_spec(model.config), collect_stats(model, ids, o.cal_batch_size, progress=False)
+
+
+def test_lossless_smollm2(smollm2, tmp_path):
+    model, tok = smollm2
+    out = tmp_path / "lossless"
+    convert("smollm2-135m", out, ConvertOptions(lossless=True, cal_nsamples=16), progress=False)
+    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = tok("\n\n".join(load_texts("wikitext2-test")[1:40]), return_tensors="pt").input_ids[:, :512]
+    with torch.no_grad():
+        diff = (torch.log_softmax(mla(ids).logits, -1) - torch.log_softmax(model(ids).logits, -1)).abs().max()
+    assert diff < 1e-3
+    prompt = tok("The capital of France is", return_tensors="pt").input_ids
+    a = model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    b = mla.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rope_dim, rank", [(32, 88), (16, 32)])  # 68.75% and 87.5% KV cut
+def test_transmla_bkv_beats_mha2mla(calibrated, rope_dim, rank):
+    model, tok, spec, stats = calibrated
+    ids = tokenize_corpus(tok, load_texts("wikitext2-test"))
+    ppl = {}
+    for method in ("transmla", "mha2mla"):
+        o = ConvertOptions(method=method, qk_rope_dim=rope_dim, kv_lora_rank=rank, freqfold=4)
+        budget = resolve_budget(spec, o)
+        layers, _ = convert_layers(model, stats, spec, budget, o, progress=False)
+        mla = use_causal_padded_sdpa(instantiate(*assemble(model, spec, budget, layers, o, {})))
+        ppl[method] = perplexity(mla, ids, 2048, max_tokens=8192, progress=False)["ppl"]
+    assert ppl["transmla"] < ppl["mha2mla"], ppl

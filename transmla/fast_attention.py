@@ -1,0 +1,34 @@
+"""A faster causal attention for evaluating exported DeepSeek-V3 models on unpadded windows.
+
+DeepSeek's value head (d) is narrower than its query/key head (d + R); torch's SDPA then falls
+back to its slow "math" kernel on CPU (2x slower end to end on SmolLM2). Zero-padding the values to
+the key width keeps the fused kernel and gives identical outputs after slicing. Only valid without
+padding masks (perplexity windows), so it is opt-in: `use_causal_padded_sdpa(model)`.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+NAME = "causal_padded_sdpa"
+
+
+def causal_padded_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query/key [b, h, t, d+R], value [b, h, t, d] -> ([b, t, h, d], None)."""
+    dv = value.shape[-1]
+    if dv < query.shape[-1]:
+        value = F.pad(value, (0, query.shape[-1] - dv))
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return out[..., :dv].transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, causal_padded_sdpa)
+    return NAME
+
+
+def use_causal_padded_sdpa(model):
+    model.config._attn_implementation = register()
+    return model
