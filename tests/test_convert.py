@@ -232,3 +232,11 @@ def test_unsupported_architecture_cli(tmp_path, tiny_tokenizer):
                        capture_output=True, text=True)
     assert r.returncode == 2 and "Unsupported architecture 'gpt2'" in r.stderr
     assert not out.exists()
+
+
+def test_latent_norm_identity_error_on_real_activations(tiny):
+    """The kv_a/q_a layernorm identity, measured inside a converted model (Qwen2: with the q-bias carrier)."""
+    from transmla.diagnostics import latent_norm_identity_error
+
+    mla = _in_memory(tiny, ConvertOptions(kv_cache_ratio=0.5, q_lora_rank=16, **CAL))
+    assert latent_norm_identity_error(mla, _text_ids(tiny[1])) < 1e-5

@@ -49,12 +49,23 @@ def cmd_convert(args) -> dict:
         kv_lora_rank=args.kv_lora_rank, freqfold=args.freqfold, q_lora_rank=args.q_lora_rank,
         balance_kv=not args.no_balance_kv, pca=args.pca, lossless=args.lossless,
         cal_nsamples=args.cal_nsamples, cal_seqlen=args.cal_seqlen, seed=args.seed, dtype=args.dtype,
-        device=args.device,
+        device=args.device, latent_norm_eps=args.latent_norm_eps,
     )
     meta = convert(args.model, args.out, opts, cache=args.cache_dir, data_dir=args.data_dir)
     keys = ("method", "source", "qk_rope_head_dim", "kv_lora_rank", "kv_cache_ratio", "kv_cache_reduction",
             "mean_alpha", "calibration_seconds", "seconds", "peak_rss_gib", "notes")
     return {"out": str(args.out), **{k: meta[k] for k in keys}}
+
+
+def cmd_eval(args) -> dict:
+    from .evaluation import evaluate
+    from .sources import materialize
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    limit = None if args.limit in (None, 0) else args.limit
+    return evaluate(materialize(args.model, args.cache_dir), tasks=tasks, limit=limit, num_fewshot=args.num_fewshot,
+                    batch_size=args.batch_size if str(args.batch_size).startswith("auto") else int(args.batch_size), seed=args.seed, dtype=args.dtype, device=args.device,
+                    out_dir=args.out, data_dir=args.data_dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,8 +116,30 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=42, help="calibration sampling seed")
     c.add_argument("--dtype", default="float32", help="exported weight dtype: float32 or bfloat16 (float16 is refused)")
     c.add_argument("--device", default="cpu", help="torch device for calibration (default cpu)")
+    c.add_argument("--latent-norm-eps", type=float, default=None,
+                   help="eps of the target runtime's kv_a_layernorm (default 1e-6, transformers' fixed value; "
+                        "vLLM uses config.rms_norm_eps)")
     c.add_argument("--data-dir", default=None, help="offline data folder (default $TRANSMLA_DATA_DIR or ../shared/data)")
     c.set_defaults(func=cmd_convert)
+
+    from .evaluation import TASKS
+
+    e = sub.add_parser("eval", parents=[common], help="six-benchmark evaluation with lm-eval (offline)",
+                       description="Zero-shot MMLU, ARC-Easy, ARC-Challenge, PIQA, HellaSwag, OpenBookQA and "
+                                   "WinoGrande with lm-evaluation-harness on the local data files. The paper's "
+                                   "ARC column is the mean of ARC-Easy and ARC-Challenge (arc_mean).")
+    e.add_argument("--model", default=DEFAULT_SOURCE, help=SOURCE_HELP)
+    e.add_argument("--tasks", default=",".join(TASKS), help=f"comma list (default all: {','.join(TASKS)})")
+    e.add_argument("--limit", type=int, default=None,
+                   help="docs per task (per MMLU subject), a seeded random subset; default: all")
+    e.add_argument("--num-fewshot", type=int, default=0, help="few-shot examples (default 0, as in the paper)")
+    e.add_argument("--batch-size", default="8", help="lm-eval batch size (int or 'auto')")
+    e.add_argument("--seed", type=int, default=1234, help="seed for sampling and lm-eval")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--out", default=None, help="directory for results.json and samples/<task>.jsonl")
+    e.add_argument("--data-dir", default=None, help="offline data folder (default $TRANSMLA_DATA_DIR or ../shared/data)")
+    e.set_defaults(func=cmd_eval)
     return p
 
 
@@ -119,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     except TransMLAError as e:
         print(f"transmla: error: {e}", file=sys.stderr)
         return 2
+    if args.command == "eval":
+        result = {k: v for k, v in result.items() if k != "columns"}
     text = json.dumps(result, indent=None if args.command == "ppl" else 2)
     if getattr(args, "out", None) and args.command == "ppl":
         _write_atomic(args.out, text + "\n")
