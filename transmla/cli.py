@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--cache-dir", default=None, help="model cache (default $TRANSMLA_CACHE_DIR or ~/.cache/transmla)")
+    common.add_argument("--data-dir", default=None, help="offline data folder (default $TRANSMLA_DATA_DIR or ../shared/data)")
 
     f = sub.add_parser("fetch-model", parents=[common], help="materialise a model source as a safetensors HF directory",
                        description="Write a model source as a plain safetensors Hugging Face directory.")
@@ -92,7 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
     q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype (default float32)")
     q.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    q.add_argument("--data-dir", default=None, help="offline data folder (default $TRANSMLA_DATA_DIR or ../shared/data)")
     q.add_argument("--out", default=None, help="also write the JSON result to this file (atomically)")
     q.set_defaults(func=cmd_ppl)
 
@@ -119,7 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--latent-norm-eps", type=float, default=None,
                    help="eps of the target runtime's kv_a_layernorm (default 1e-6, transformers' fixed value; "
                         "vLLM uses config.rms_norm_eps)")
-    c.add_argument("--data-dir", default=None, help="offline data folder (default $TRANSMLA_DATA_DIR or ../shared/data)")
     c.set_defaults(func=cmd_convert)
 
     from .evaluation import TASKS
@@ -138,7 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     e.add_argument("--device", default="cpu")
     e.add_argument("--out", default=None, help="directory for results.json and samples/<task>.jsonl")
-    e.add_argument("--data-dir", default=None, help="offline data folder (default $TRANSMLA_DATA_DIR or ../shared/data)")
     e.set_defaults(func=cmd_eval)
     return p
 
