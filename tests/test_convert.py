@@ -240,3 +240,11 @@ def test_latent_norm_identity_error_on_real_activations(tiny):
 
     mla = _in_memory(tiny, ConvertOptions(kv_cache_ratio=0.5, q_lora_rank=16, **CAL))
     assert latent_norm_identity_error(mla, _text_ids(tiny[1])) < 1e-5
+
+
+def test_attention_aware_basis_exact_at_full_rank(tiny):
+    """The query/o_proj metrics are undone by the up-projections: exact at full rank."""
+    ids = _text_ids(tiny[1])
+    ref = _logprobs(_in_memory(tiny, ConvertOptions(qk_rope_dim=8, freqfold=2, **CAL)), ids)
+    aa = _logprobs(_in_memory(tiny, ConvertOptions(qk_rope_dim=8, freqfold=2, attention_aware=True, **CAL)), ids)
+    assert (aa - ref).abs().max() < 1e-4

@@ -25,15 +25,36 @@ from .linalg import eigh_desc
 
 @dataclass
 class JointBasis:
-    """alpha and the joint basis P [(g*d - R) + g*d, r] with its captured-energy fraction."""
+    """alpha and the joint basis P [(g*d - R) + g*d, r] with its captured-energy fraction.
+
+    Optional metrics (attention-aware mode): the PCA runs on [M_k k_nope / alpha ; M_v v] and the
+    up-projections undo them (M^-1), so at full rank the model is still unchanged.
+    """
 
     alpha: float
     P: torch.Tensor
     energy: float
+    metric_k: torch.Tensor | None = None
+    metric_v: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
         return self.P.shape[1]
+
+    def encoder(self, wk_nope: torch.Tensor, wv: torch.Tensor) -> torch.Tensor:
+        """Rows whose projection on P is the cached latent: [M_k W_k_nope / alpha ; M_v W_v]."""
+        k = wk_nope if self.metric_k is None else self.metric_k @ wk_nope
+        v = wv if self.metric_v is None else self.metric_v @ wv
+        return torch.cat([k / self.alpha, v], 0)
+
+    def decoders(self, n_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(alpha M_k^-1 P_k, M_v^-1 P_v): the latent -> k_nope and latent -> v maps."""
+        Pk, Pv = self.P[:n_k], self.P[n_k:]
+        if self.metric_k is not None:
+            Pk = torch.linalg.solve(self.metric_k, Pk)
+        if self.metric_v is not None:
+            Pv = torch.linalg.solve(self.metric_v, Pv)
+        return self.alpha * Pk, Pv
 
 
 def bkv_alpha(wk_nope: torch.Tensor, wv: torch.Tensor, xx: torch.Tensor) -> float:
@@ -45,15 +66,45 @@ def bkv_alpha(wk_nope: torch.Tensor, wv: torch.Tensor, xx: torch.Tensor) -> floa
     return (max(k2, 0.0) / v2) ** 0.5 if k2 > 0 else 1.0
 
 
+def _psd_sqrt(S: torch.Tensor, rel_floor: float = 1e-6) -> torch.Tensor:
+    vals, vecs = torch.linalg.eigh(0.5 * (S + S.T))
+    vals = vals.clamp_min(rel_floor * vals.max().clamp_min(1e-30))
+    return (vecs * vals.sqrt()) @ vecs.T
+
+
+def attention_metrics(w, T: torch.Tensor, rope_dim: int, xx, mu, h: int, g: int, d: int):
+    """Metrics that make the joint PCA minimise what attention actually sees (our extension).
+
+    Key error e = k_nope - k_hat changes head i's score by q_nope_i . e, so summed over heads its mean
+    square is tr(Q E[e e^T]) with Q = sum_i E[q'_i q'_i^T] (queries in the rotated NoPE coordinates).
+    Value error changes the output through o_proj: tr(O E[dv dv^T]), O = blockdiag_j sum_{i in j}
+    W_O,i^T W_O,i. PCA of [Q^1/2 k_nope ; O^1/2 v] minimises these (up to the alpha balance).
+    """
+    from .linalg import affine_second_moment
+
+    L, R = g * d, rope_dim
+    Q = torch.zeros(L - R, L - R, dtype=torch.float64)
+    O = torch.zeros(L, L, dtype=torch.float64)
+    for i in range(h):
+        j = i // (h // g)
+        B = T[R:, j * d : (j + 1) * d]
+        bq = None if w.bq is None else w.bq[i * d : (i + 1) * d]
+        Q += B @ affine_second_moment(w.wq[i * d : (i + 1) * d], bq, xx, mu) @ B.T
+        Wo = w.wo[:, i * d : (i + 1) * d]
+        O[j * d : (j + 1) * d, j * d : (j + 1) * d] += Wo.T @ Wo
+    return _psd_sqrt(Q), _psd_sqrt(O)
+
+
 def joint_basis(
-    wk_nope: torch.Tensor, wv: torch.Tensor, xx: torch.Tensor | None, rank: int, alpha: float = 1.0, pca: str = "activations"
+    wk_nope: torch.Tensor, wv: torch.Tensor, xx: torch.Tensor | None, rank: int, alpha: float = 1.0,
+    pca: str = "activations", metric_k: torch.Tensor | None = None, metric_v: torch.Tensor | None = None,
 ) -> JointBasis:
     """Top-`rank` principal directions of [k_nope/alpha ; v].
 
     pca="activations": eigenvectors of W E[x x^T] W^T (the paper); pca="weights": of W W^T, i.e. the left
     singular vectors of the stacked weights (MHA2MLA's joint SVD; no data).
     """
-    W = torch.cat([wk_nope / alpha, wv], 0)
+    W = JointBasis(alpha, torch.empty(0), 0.0, metric_k, metric_v).encoder(wk_nope, wv)
     if rank < 1 or rank > W.shape[0]:
         raise TransMLAError(
             f"kv_lora_rank={rank} is impossible here: the NoPE keys and values span at most {W.shape[0]} dims.",
@@ -70,4 +121,4 @@ def joint_basis(
     vals, vecs = eigh_desc(S)
     total = vals.clamp_min(0).sum().item()
     energy = vals[:rank].clamp_min(0).sum().item() / total if total > 0 else 1.0
-    return JointBasis(alpha=alpha, P=vecs[:, :rank].contiguous(), energy=energy)
+    return JointBasis(alpha=alpha, P=vecs[:, :rank].contiguous(), energy=energy, metric_k=metric_k, metric_v=metric_v)

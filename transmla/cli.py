@@ -47,7 +47,7 @@ def cmd_convert(args) -> dict:
     opts = ConvertOptions(
         method=args.method, kv_cache_ratio=args.kv_cache_ratio, qk_rope_dim=args.qk_rope_dim,
         kv_lora_rank=args.kv_lora_rank, freqfold=args.freqfold, q_lora_rank=args.q_lora_rank,
-        balance_kv=not args.no_balance_kv, pca=args.pca, lossless=args.lossless,
+        balance_kv=not args.no_balance_kv, attention_aware=args.attention_aware, pca=args.pca, lossless=args.lossless,
         cal_nsamples=args.cal_nsamples, cal_seqlen=args.cal_seqlen, seed=args.seed, dtype=args.dtype,
         device=args.device, latent_norm_eps=args.latent_norm_eps,
     )
@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--freqfold", type=int, default=4, choices=[1, 2, 4, 8], help="adjacent frequencies per RoRoPE PCA (default 4)")
     c.add_argument("--q-lora-rank", type=int, default=None, help="low-rank queries from PCA of query activations")
     c.add_argument("--no-balance-kv", action="store_true", help="ablation: skip the key/value norm balancing")
+    c.add_argument("--attention-aware", action="store_true",
+                   help="extension: joint PCA weighted by query and o_proj metrics (what attention actually uses)")
     c.add_argument("--pca", default="activations", choices=["activations", "weights"], help="joint KV PCA basis source")
     c.add_argument("--lossless", action="store_true", help="keep RoPE on all g*d key dims, no rank cut (exact)")
     c.add_argument("--cal-nsamples", type=int, default=128, help="calibration sequences (default 128)")

@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .adapters import AttentionWeights, GQASpec, attention_weights, read_spec, shared_state_dict
-from .bkv import JointBasis, bkv_alpha, joint_basis
+from .bkv import JointBasis, attention_metrics, bkv_alpha, joint_basis
 from .calibration import CalibrationStats, calibration_ids, collect_stats
 from .errors import TransMLAError
 from .linalg import affine_second_moment
@@ -46,6 +46,7 @@ class ConvertOptions:
     freqfold: int = 4
     q_lora_rank: int | None = None
     balance_kv: bool = True
+    attention_aware: bool = False  # our extension: PCA in the metric attention sees (bkv.attention_metrics)
     pca: str = "activations"
     lossless: bool = False
     cal_dataset: str = "wikitext2-train"
@@ -154,14 +155,24 @@ def layer_rotation(w: AttentionWeights, stats: CalibrationStats, layer: int, spe
     return rorope(cov_k, spec.g, spec.d, list(budget.plan), fold)
 
 
-def layer_basis(w: AttentionWeights, stats: CalibrationStats, layer: int, rot: KeyRotation, budget: Budget, o: ConvertOptions) -> JointBasis:
+def layer_basis(
+    w: AttentionWeights, stats: CalibrationStats, layer: int, spec: GQASpec, rot: KeyRotation, budget: Budget, o: ConvertOptions
+) -> JointBasis:
     """BKV: alpha and the joint PCA basis of [k_nope/alpha; v] (MHA2MLA: weight SVD, alpha = 1)."""
     xx = stats.second_moment(layer)
     wk_nope = rot.T[rot.rope_dim :] @ w.wk
     if o.method == "mha2mla":
         return joint_basis(wk_nope, w.wv, None, budget.kv_lora_rank, 1.0, "weights")
-    alpha = bkv_alpha(wk_nope, w.wv, xx) if o.balance_kv and wk_nope.shape[0] > 0 else 1.0
-    return joint_basis(wk_nope, w.wv, xx, budget.kv_lora_rank, alpha, o.pca)
+    mk = mv = None
+    if o.attention_aware and wk_nope.shape[0] > 0:
+        mk, mv = attention_metrics(w, rot.T, rot.rope_dim, xx, stats.mean(layer), spec.h, spec.g, spec.d)
+    if o.balance_kv and wk_nope.shape[0] > 0:
+        k_rows = wk_nope if mk is None else mk @ wk_nope
+        v_rows = w.wv if mv is None else mv @ w.wv
+        alpha = bkv_alpha(k_rows, v_rows, xx)
+    else:
+        alpha = 1.0
+    return joint_basis(wk_nope, w.wv, xx, budget.kv_lora_rank, alpha, o.pca, mk, mv)
 
 
 def convert_layers(model, stats: CalibrationStats, spec: GQASpec, budget: Budget, o: ConvertOptions, progress=True):
@@ -170,7 +181,7 @@ def convert_layers(model, stats: CalibrationStats, spec: GQASpec, budget: Budget
     for i in tqdm(range(spec.n_layers), desc="convert", file=sys.stderr, disable=not progress):
         w = attention_weights(model, i)
         rot = layer_rotation(w, stats, i, spec, budget, o)
-        basis = layer_basis(w, stats, i, rot, budget, o)
+        basis = layer_basis(w, stats, i, spec, rot, budget, o)
         layer, diag = build_mla_layer(
             w, rot, basis, spec.h, spec.g, spec.d, stats.second_moment(i), stats.mean(i), o.q_lora_rank, o.norm_eps
         )

@@ -119,11 +119,11 @@ def build_mla_layer(
     R, L, D = rot.rope_dim, g * d, w.wq.shape[1]
     T, P, alpha = rot.T, basis.P, basis.alpha
     r = P.shape[1]
-    Pk, Pv = P[: L - R], P[L - R :]
+    Pk, Pv = basis.decoders(L - R)  # alpha P_k, P_v (metrics undone in attention-aware mode)
     il = interleave_index(R)
 
     # kv_a_proj_with_mqa = [latent rows (r) ; k_pe rows (R)]
-    latent = P.T @ torch.cat([(T[R:] @ w.wk) / alpha, w.wv], 0)  # [r, D]
+    latent = P.T @ basis.encoder(T[R:] @ w.wk, w.wv)  # [r, D]
     k_pe = (T[:R] @ w.wk)[il]
     k_pe_bias = None if w.bk is None else (T[:R] @ w.bk)[il]  # the NoPE part of b_K is dropped (softmax-invariant)
     s_kv = norm_identity_scale(torch.trace(latent @ xx @ latent.T).item() / r, norm_eps)
@@ -134,7 +134,7 @@ def build_mla_layer(
     kv_b = []
     for i in range(h):
         j = i // (h // g)
-        kv_b += [alpha * T[R:, j * d : (j + 1) * d].T @ Pk, Pv[j * d : (j + 1) * d]]
+        kv_b += [T[R:, j * d : (j + 1) * d].T @ Pk, Pv[j * d : (j + 1) * d]]
     kv_b = torch.cat(kv_b, 0)
 
     # o_proj; the value bias moves here: sum_t a_t (v_t + b) = sum_t a_t v_t + b
