@@ -248,3 +248,16 @@ def test_attention_aware_basis_exact_at_full_rank(tiny):
     ref = _logprobs(_in_memory(tiny, ConvertOptions(qk_rope_dim=8, freqfold=2, **CAL)), ids)
     aa = _logprobs(_in_memory(tiny, ConvertOptions(qk_rope_dim=8, freqfold=2, attention_aware=True, **CAL)), ids)
     assert (aa - ref).abs().max() < 1e-4
+
+
+def test_mha2mla_selects_whole_pairs_and_exports(tiny):
+    """MHA2MLA's key change of basis is a permutation keeping whole (real, imag) pairs; the model runs."""
+    model, tok, spec, stats = tiny
+    o = ConvertOptions(method="mha2mla", qk_rope_dim=8, kv_lora_rank=16, **CAL)
+    budget = resolve_budget(spec, o)
+    rot = layer_rotation(attention_weights(model, 0), stats, 0, spec, budget, o)
+    assert torch.equal(rot.T.abs().sum(0), torch.ones(spec.g * spec.d, dtype=torch.float64))  # permutation
+    half = spec.d // 2
+    for p in range(4):  # the imaginary row of each RoPE pair is its real row's partner (+d/2)
+        assert rot.T[4 + p].argmax() == rot.T[p].argmax() + half
+    assert torch.isfinite(_logprobs(_in_memory(tiny, o), _text_ids(tok))).all()

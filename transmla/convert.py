@@ -29,7 +29,7 @@ from .errors import TransMLAError
 from .linalg import affine_second_moment
 from .mha2mla import mha2mla_selection, two_norm_scores
 from .mla import LATENT_NORM_EPS, MLALayer, build_mla_layer
-from .rope import lossless_plan, standard_plan
+from .rope import is_standard, lossless_plan, standard_plan
 from .rorope import KeyRotation, rorope, validate_freqfold
 
 METHODS = ("transmla", "mha2mla")
@@ -250,7 +250,7 @@ def conversion_metadata(info: dict, spec: GQASpec, budget: Budget, o: ConvertOpt
     if spec.model_type == "qwen2":
         notes.append("NoPE part of the key bias dropped (shifts all scores of a query equally: softmax-invariant); "
                      "value bias moved into o_proj.bias (exact).")
-    if not all(budget.plan[p] == p * (spec.d // budget.rope_dim) for p in range(len(budget.plan))) or spec.d % budget.rope_dim:
+    if not is_standard(list(budget.plan), spec.d):
         notes.append("non-standard RoPE frequencies exported as LongRoPE factors: transformers only, not vLLM.")
     mean = lambda k: float(sum(d[k] for d in diags) / len(diags))  # noqa: E731
     return {

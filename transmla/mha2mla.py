@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .linalg import affine_diag
+from .rope import is_standard
 from .rorope import KeyRotation
 
 
@@ -36,7 +37,7 @@ def two_norm_scores(wq, bq, wk, bk, xx, mu, h: int, g: int, d: int) -> torch.Ten
 def mha2mla_selection(scores: torch.Tensor, g: int, d: int, plan: list[int]) -> KeyRotation:
     """A permutation T of the merged key: the selected pairs become the RoPE rows, the rest NoPE."""
     half, L, R = d // 2, g * d, 2 * len(plan)
-    c = max(1, d // R) if plan and all(plan[p] == p * (d // R) for p in range(len(plan))) else 1
+    c = d // R if is_standard(plan, d) else 1  # width of each RoPE pair's frequency window
     T = torch.zeros(L, L, dtype=torch.float64)
     used: set[int] = set()
     kept = 0.0

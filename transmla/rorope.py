@@ -82,7 +82,7 @@ def rorope(cov_k: torch.Tensor, g: int, d: int, plan: list[int], freqfold: int =
             )
         for a in range(U.shape[1]):
             if a < len(slots):
-                r_re, r_im = slots[a], half_rope(R) + slots[a]
+                r_re, r_im = slots[a], R // 2 + slots[a]
             else:
                 r_re, r_im = nope_row, nope_row + 1
                 nope_row += 2
@@ -93,11 +93,3 @@ def rorope(cov_k: torch.Tensor, g: int, d: int, plan: list[int], freqfold: int =
     assert nope_row == L
     return KeyRotation(T=T, plan=list(plan), energy=kept / total if total > 0 else 1.0)
 
-
-def half_rope(R: int) -> int:
-    return R // 2
-
-
-def identity_rotation(g: int, d: int) -> torch.Tensor:
-    """The merged key with no rotation (head merge only): T = I. For tests of the merge itself."""
-    return torch.eye(g * d, dtype=torch.float64)
