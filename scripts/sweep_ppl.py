@@ -14,8 +14,6 @@ import time
 from dataclasses import fields, replace
 from pathlib import Path
 
-import torch
-
 from transmla.adapters import read_spec
 from transmla.calibration import calibration_ids, collect_stats
 from transmla.convert import ConvertOptions, assemble, convert_layers, resolve_budget

@@ -18,7 +18,6 @@ from transmla.convert import ConvertOptions, assemble, convert, convert_layers, 
 from transmla.data import load_texts
 from transmla.errors import TransMLAError
 from transmla.export import instantiate
-from transmla.linalg import affine_second_moment
 from transmla.mla import LATENT_NORM_EPS, build_mla_layer, norm_identity_scale
 from transmla.rope import inv_freq, lossless_plan, standard_plan
 from transmla.rorope import KeyRotation, rorope

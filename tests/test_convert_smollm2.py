@@ -1,7 +1,5 @@
 """The converter on the real SmolLM2-135M (GGUF from PyPI)."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM

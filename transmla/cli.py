@@ -12,6 +12,7 @@ import os
 import sys
 
 from .errors import TransMLAError
+from .paths import write_text_atomic
 from .sources import DEFAULT_SOURCE, SYNTAX_HELP
 
 SOURCE_HELP = f"model source (default {DEFAULT_SOURCE}); {SYNTAX_HELP}"
@@ -156,20 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         result = {k: v for k, v in result.items() if k != "columns"}
     text = json.dumps(result, indent=None if args.command == "ppl" else 2)
     if getattr(args, "out", None) and args.command == "ppl":
-        _write_atomic(args.out, text + "\n")
+        write_text_atomic(args.out, text + "\n")
     print(text)
     return 0
-
-
-def _write_atomic(path: str, text: str) -> None:
-    """Write via a temporary file + rename, so a failed run never leaves a half-written result."""
-    from pathlib import Path
-
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(p)
 
 
 if __name__ == "__main__":

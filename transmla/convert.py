@@ -12,7 +12,6 @@ Each step is a pure function of (weights, statistics, options), so the pipeline 
 
 from __future__ import annotations
 
-import math
 import resource
 import sys
 import time
@@ -29,6 +28,7 @@ from .errors import TransMLAError
 from .linalg import affine_second_moment
 from .mha2mla import mha2mla_selection, two_norm_scores
 from .mla import LATENT_NORM_EPS, MLALayer, build_mla_layer
+from .paths import new_output_dir
 from .rope import is_standard, lossless_plan, standard_plan
 from .rorope import KeyRotation, rorope, validate_freqfold
 
@@ -216,9 +216,7 @@ def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_di
 
     o.validate()
     t0 = time.perf_counter()
-    out = Path(out).expanduser().resolve()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # fail before any work
-        raise TransMLAError(f"Output directory {out} exists and is not empty.", "choose a new --out or remove it.")
+    out = new_output_dir(out)  # fail before any work
     info = source_info(source, cache)
     model, tok = load_model(source, dtype="float32", device=o.device, cache=cache)  # the math runs in fp32/fp64
     spec = read_spec(model.config)

