@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 
 repro: setup
-	$(BIN)/dvc repro
+	BIN=$(BIN) bash scripts/repro.sh
 
 test: setup
 	$(BIN)/python -m pytest -q tests

@@ -14,11 +14,12 @@ NAME = "causal_padded_sdpa"
 
 
 def causal_padded_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query/key [b, h, t, d+R], value [b, h, t, d] -> ([b, t, h, d], None)."""
+    """query [b, h, t, d+R], key [b, h or g, t, d+R], value [b, h or g, t, d] -> ([b, t, h, d], None)."""
     dv = value.shape[-1]
     if dv < query.shape[-1]:
         value = F.pad(value, (0, query.shape[-1] - dv))
-    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    gqa = query.shape[1] != key.shape[1]  # GQA models (the originals) share K/V heads
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
     return out[..., :dv].transpose(1, 2).contiguous(), None
 
 

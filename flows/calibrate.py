@@ -1,0 +1,39 @@
+"""Flow: calibration statistics of one model -> artifacts/<model>/calibration.safetensors (a DVC out).
+
+    python -m flows.calibrate --model smollm2-135m
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from tasks.artifacts import file_ref, publish
+from tasks.calibrate import calibration_stats
+from tasks.model import dataset_ref, resolve_model
+
+from . import _cli, layout
+from .params import Profile
+
+
+def stats_for(profile: Profile, model_ref: dict) -> dict:
+    c = profile.calibration
+    return calibration_stats(model_ref, dataset_ref(c.dataset), c.nsamples, c.seqlen, c.batch_size, c.seed)
+
+
+@flow(name="calibrate")
+def calibrate(profile: Profile, model: str, out: str | None = None) -> dict:
+    model_ref = resolve_model(profile.model(model).source)
+    stats = stats_for(profile, model_ref)
+    return file_ref(publish(stats, out or layout.calibration_file(model)))
+
+
+def main():
+    ap = _cli.parser(__doc__)
+    ap.add_argument("--model", required=True, help="a model name from the params' models:")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    calibrate(_cli.profile_of(args), args.model, args.out)
+
+
+if __name__ == "__main__":
+    _cli.run(main)

@@ -1,0 +1,182 @@
+"""The pipeline's parameters: `params/*.yaml`, validated once here (pydantic), then passed down.
+
+A profile is one YAML file: `params/default.yaml` (CPU, the embedded default model, well under an
+hour; what `dvc repro` reads) or `params/paper.yaml` (the paper's full-data GPU settings).
+Model names are keys of `models:`; DVC stage names and artifact paths use them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from transmla.errors import TransMLAError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PARAMS = REPO_ROOT / "params" / "default.yaml"
+BENCHMARKS = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelParams(Strict):
+    source: str  # any transmla source string (catalog name, pypi:..., gguf:..., dir, hf:...)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class CalibrationParams(Strict):
+    dataset: str = "wikitext2-train"
+    nsamples: int = Field(128, ge=1)
+    seqlen: int = Field(256, ge=2)
+    batch_size: int = Field(8, ge=1)
+    seed: int = 42
+
+
+class TransMLAParams(Strict):
+    """The paper's method: RoRoPE + FreqFold, then balanced-KV joint PCA on activations."""
+
+    freqfold: Literal[1, 2, 4, 8] = 4
+    balance_kv: bool = True
+    pca: Literal["activations", "weights"] = "activations"
+    attention_aware: bool = False
+
+
+class MHA2MLAParams(Strict):
+    """The baseline: 2-norm RoPE selection, joint SVD of the weights (no options)."""
+
+
+class MethodsParams(Strict):
+    transmla: TransMLAParams = TransMLAParams()
+    mha2mla: MHA2MLAParams = MHA2MLAParams()
+
+
+class ExportParams(Strict):
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    latent_norm_eps: float | None = None  # None: transformers' fixed 1e-6; vLLM needs config.rms_norm_eps
+
+
+class EvaluationParams(Strict):
+    ppl_dataset: str = "wikitext2-test"
+    ppl_seqlen: int = Field(2048, ge=2)
+    ppl_max_tokens: int | None = Field(None, ge=2)  # None: the whole test set
+    tasks: tuple[str, ...] = BENCHMARKS
+    limit: int | None = Field(None, ge=1)  # docs per task (per MMLU subject); None: full benchmarks
+    batch_size: int = Field(8, ge=1)
+    seed: int = 1234
+
+    @field_validator("tasks")
+    @classmethod
+    def _known(cls, v):
+        bad = [t for t in v if t not in BENCHMARKS]
+        if bad:
+            raise ValueError(f"unknown benchmarks {bad}; choose from {list(BENCHMARKS)}")
+        return v
+
+
+class FiguresParams(Strict):
+    """Paper Figs. 4 and 5 on each pipeline model (perplexity sweeps on a prefix of the test set)."""
+
+    layer: int = Field(0, ge=0)
+    ppl_max_tokens: int = Field(8192, ge=2)
+    rope_dims: tuple[int, ...] = (32, 16, 8, 4)  # Fig. 4b x-axis: removal ratio 1 - R/d
+    freqfold: Literal[2, 4, 8] = 4  # the "RoRoPE + FreqFold" curve
+    fig4a_rope_dim: int = 32
+    fig5_budget: float = Field(0.3125, gt=0, le=1)  # KV cache ratio kept for the PCA comparison
+
+
+class PipelineParams(Strict):
+    """What `dvc repro` runs: models x budgets x methods (DVC matrix)."""
+
+    models: tuple[str, ...]
+    budgets: tuple[float, ...]  # KV-cache fraction kept (0.3125 = the paper's 68.75% cut)
+    methods: tuple[Literal["transmla", "mha2mla"], ...] = ("mha2mla", "transmla")
+
+    @field_validator("budgets")
+    @classmethod
+    def _ratios(cls, v):
+        for b in v:
+            if not 0 < b <= 1:
+                raise ValueError(f"budget {b} is not a KV-cache fraction in (0, 1] (0.125 = an 87.5% cut)")
+        if len(set(v)) != len(v):
+            raise ValueError("budgets repeat")
+        return v
+
+
+class NightlyParams(Strict):
+    """Nightly conversions of a watch list of sources; an unchanged release (same content hash) is skipped."""
+
+    watch: tuple[str, ...] = ()
+    cron: str = "0 3 * * *"
+    timezone: str = "UTC"
+    budgets: tuple[float, ...] = (0.125,)
+    methods: tuple[Literal["transmla", "mha2mla"], ...] = ("transmla",)
+
+
+class MLflowParams(Strict):
+    experiment: str = "transmla"
+
+
+class Profile(Strict):
+    device: str = "cpu"
+    models: dict[str, ModelParams]
+    pipeline: PipelineParams
+    calibration: CalibrationParams = CalibrationParams()
+    methods: MethodsParams = MethodsParams()
+    export: ExportParams = ExportParams()
+    evaluation: EvaluationParams = EvaluationParams()
+    figures: FiguresParams = FiguresParams()
+    nightly: NightlyParams = NightlyParams()
+    mlflow: MLflowParams = MLflowParams()
+
+    @field_validator("models")
+    @classmethod
+    def _names(cls, v):
+        import re
+
+        for name in v:
+            if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):
+                raise ValueError(f"model name {name!r}: use lowercase letters, digits, '-' and '_' "
+                                 "(it becomes a DVC stage name and a path; no dots)")
+        return v
+
+    @model_validator(mode="after")
+    def _pipeline_models_exist(self):
+        missing = [m for m in self.pipeline.models if m not in self.models]
+        if missing:
+            raise ValueError(f"pipeline.models lists {missing}, which are not keys of models:")
+        return self
+
+    def model(self, name: str) -> ModelParams:
+        if name not in self.models:
+            raise TransMLAError(f"Unknown model {name!r} in the params.", f"use one of {sorted(self.models)} or add it under models:.")
+        return self.models[name]
+
+
+def load_profile(path: str | os.PathLike | None = None, overrides: dict | None = None) -> Profile:
+    """Read and validate a profile; one clear error naming the field on bad input."""
+    p = Path(path or os.environ.get("TRANSMLA_PARAMS", DEFAULT_PARAMS))
+    if not p.is_file():
+        raise TransMLAError(f"Params file {p} not found.", "pass --params params/default.yaml (or params/paper.yaml).")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise TransMLAError(f"{p} is not valid YAML: {e}", "fix the YAML syntax.") from e
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[leaf] = value
+    try:
+        return Profile.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise TransMLAError(f"{p}: {where}: {first['msg']} (got {first.get('input')!r}).",
+                            f"fix `{where}` in {p.name} (schema: flows/params.py).") from e

@@ -1,0 +1,74 @@
+"""Flow: collect the per-row metrics into reports/table1.md (the analogue of the paper's Table 1).
+
+    python -m flows.report
+"""
+
+from __future__ import annotations
+
+import json
+
+from prefect import flow
+
+from tasks import tracking
+from tasks.report import table1
+from transmla.errors import TransMLAError
+
+from . import _cli, layout
+from .params import Profile
+
+
+def rows_of(profile: Profile) -> list[dict]:
+    rows, missing = [], []
+    p = profile.pipeline
+    for model in p.models:
+        keys = [("original", None)] + [(m, b) for b in p.budgets for m in p.methods]
+        for method, budget in keys:
+            f = layout.metrics_file(model, method, budget)
+            if f.is_file():
+                rows.append(json.loads(f.read_text()))
+            else:
+                missing.append(str(f))
+    if missing:
+        raise TransMLAError(f"Metrics missing: {', '.join(missing)}.", "run the evaluate stages first (dvc repro).")
+    return rows
+
+
+@flow(name="report")
+def report(profile: Profile) -> str:
+    rows = rows_of(profile)
+    ev = profile.evaluation
+    limit = "all docs" if ev.limit is None else f"a seeded sample of {ev.limit} docs per task (per MMLU subject)"
+    ppl_tokens = sorted({r["ppl_tokens"] for r in rows})
+    notes = [
+        f"Benchmarks: lm-eval zero-shot, {limit}; accuracy in % (MMLU and WG: acc; ARC = mean of ARC-Easy and "
+        "ARC-Challenge acc_norm; PIQA, HS, OBQA: acc_norm). Avg. = mean of the six columns.",
+        f"WikiText-2 test perplexity over {', '.join(f'{t:,}' for t in ppl_tokens)} tokens in "
+        f"{ev.ppl_seqlen}-token windows.",
+        "KV Mem. = change of the per-token KV cache (original: 2 x kv_heads x head_dim values per layer; "
+        "MLA: kv_lora_rank + qk_rope_head_dim, the 'RoPE + rank' column).",
+        f"Calibration: {profile.calibration.nsamples} x {profile.calibration.seqlen} tokens of "
+        f"{profile.calibration.dataset}; TransMLA = RoRoPE + FreqFold {profile.methods.transmla.freqfold} + "
+        f"BKV ({profile.methods.transmla.pca} PCA); MHA2MLA = 2-norm RoPE selection + joint SVD of the weights.",
+        "Tokens = fine-tuning tokens after conversion (0: conversion only).",
+    ]
+    figs = {}
+    for model in profile.pipeline.models:
+        f = layout.REPORTS / "metrics" / model / "figures.json"
+        if f.is_file():
+            figs[model] = list(json.loads(f.read_text())["files"].values())
+    text = table1(rows, figs, notes, layout.table_file())
+    for model in profile.pipeline.models:
+        client, exp_id = tracking._client(profile.mlflow.experiment)
+        run_id = tracking.pipeline_run(client, exp_id, model)
+        tracking.log(client, run_id, files=[layout.table_file(), *figs.get(model, [])])
+    return text
+
+
+def main():
+    ap = _cli.parser(__doc__)
+    args = ap.parse_args()
+    print(report(_cli.profile_of(args)))
+
+
+if __name__ == "__main__":
+    _cli.run(main)

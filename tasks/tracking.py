@@ -1,0 +1,104 @@
+"""MLflow tracking: one run per (model, method, budget), nested under one pipeline run per model.
+
+Store: MLFLOW_TRACKING_URI (default sqlite:///<store>/mlflow.db, set in tasks._env). Runs are found
+by tags, so stages running in separate processes (DVC) log into the same run: the convert stage
+logs the conversion's params, the evaluate stage the Table-1 metrics. A conversion whose config
+changed replaces its run (the old one is deleted, i.e. moved to MLflow's trash).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from ._env import STORE
+
+ROLE, MODEL, METHOD, BUDGET, CONFIG = ("transmla.role", "transmla.model", "transmla.method",
+                                       "transmla.budget", "transmla.config")
+
+
+def _client(experiment: str):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        exp_id = client.create_experiment(experiment, artifact_location=(STORE / "mlartifacts" / experiment).as_uri())
+    else:
+        exp_id = exp.experiment_id
+    return client, exp_id
+
+
+def _find(client, exp_id: str, tags: dict) -> list:
+    flt = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
+    return client.search_runs([exp_id], filter_string=flt, max_results=100)
+
+
+def pipeline_run(client, exp_id: str, model: str) -> str:
+    runs = _find(client, exp_id, {ROLE: "pipeline", MODEL: model})
+    if runs:
+        return runs[0].info.run_id
+    run = client.create_run(exp_id, run_name=f"pipeline {model}", tags={ROLE: "pipeline", MODEL: model})
+    client.set_terminated(run.info.run_id)
+    return run.info.run_id
+
+
+def stage_run(experiment: str, model: str, method: str, budget: float | None, config: dict | None = None):
+    """(client, run_id) of the (model, method, budget) run; created (nested) if missing.
+
+    `config` (convert stage): if the run was made for another config, it is replaced.
+    """
+    client, exp_id = _client(experiment)
+    parent = pipeline_run(client, exp_id, model)
+    b = "none" if budget is None else repr(float(budget))
+    tags = {ROLE: "variant", MODEL: model, METHOD: method, BUDGET: b}
+    cfg = None if config is None else json.dumps(config, sort_keys=True, default=str)
+    for run in _find(client, exp_id, tags):
+        if cfg is None or run.data.tags.get(CONFIG) == cfg[:5000]:
+            return client, run.info.run_id
+        client.delete_run(run.info.run_id)
+    name = f"{model} {method}" + ("" if budget is None else f" kv-{(1 - float(budget)) * 100:g}%")
+    extra = {"mlflow.parentRunId": parent, "kv_reduction": "0" if budget is None else f"{1 - float(budget):g}"}
+    if cfg is not None:
+        extra[CONFIG] = cfg[:5000]
+    run = client.create_run(exp_id, run_name=name, tags={**tags, **extra})
+    client.set_terminated(run.info.run_id)
+    return client, run.info.run_id
+
+
+def log(client, run_id: str, params: dict | None = None, metrics: dict | None = None,
+        artifacts: dict[str, object] | None = None, files: list[str | Path] = (), tags: dict | None = None) -> None:
+    """Params (flattened; MLflow params are write-once), numeric metrics, tags (overwritable), small
+    JSON artifacts and files into one run."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    flat = _flatten(params or {})
+    existing = client.get_run(run_id).data.params
+    new_params = [Param(k, str(v)[:6000]) for k, v in flat.items() if k not in existing]
+    now = int(time.time() * 1000)
+    ms = [Metric(k, float(v), now, 0) for k, v in (metrics or {}).items() if isinstance(v, (int, float)) and v is not None]
+    client.log_batch(run_id, metrics=ms, params=new_params,
+                     tags=[RunTag(k, str(v)[:5000]) for k, v in _flatten(tags or {}).items()])
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, obj in (artifacts or {}).items():
+            p = Path(tmp) / name
+            p.write_text(json.dumps(obj, indent=2, default=str))
+            client.log_artifact(run_id, str(p))
+    for f in files:
+        client.log_artifact(run_id, str(f))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
