@@ -12,6 +12,15 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The pipeline tests never touch the real store, Prefect home or MLflow DB (tasks._env derives
+# PREFECT_HOME and MLFLOW_TRACKING_URI from TRANSMLA_STORE).
+import tempfile  # noqa: E402
+
+_STORE = tempfile.mkdtemp(prefix="transmla-test-store-")
+os.environ["TRANSMLA_STORE"] = _STORE
+os.environ["PREFECT_HOME"] = os.path.join(_STORE, "prefect")
+os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_STORE}/mlflow.db"
+os.environ.pop("PREFECT_API_URL", None)
 
 from transmla.data import load_texts  # noqa: E402
 

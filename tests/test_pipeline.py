@@ -1,0 +1,284 @@
+"""The pipeline layer on a tiny model: params validation, cache keys (same inputs -> cached, a
+changed parameter -> exactly the dependent tasks recomputed), cross-process caching, the nightly
+flow's skip logic and deployment, the end-to-end paper flow with its report and MLflow runs."""
+
+from __future__ import annotations
+
+import json
+import zlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import tasks  # noqa: F401  (sets the Prefect defaults; conftest pointed the store at a temp dir)
+from transmla.errors import TransMLAError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def tiny_dir(tmp_path, tiny_tokenizer, request):
+    """A tiny random Llama with its own weights (seeded per test: its own cache keys)."""
+    from conftest import _tiny_model
+
+    seed = zlib.crc32(request.node.name.encode()) % 10_000
+    d = tmp_path / "tiny-model"
+    _tiny_model("llama", len(tiny_tokenizer), seed=seed).save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
+
+
+def write_profile(tmp_path: Path, model_dir: Path, **sections) -> Path:
+    raw = {
+        "models": {"tiny": {"source": str(model_dir)}},
+        "pipeline": {"models": ["tiny"], "budgets": [0.25], "methods": ["mha2mla", "transmla"]},
+        "calibration": {"nsamples": 8, "seqlen": 64, "batch_size": 4},
+        "evaluation": {"ppl_seqlen": 128, "ppl_max_tokens": 512, "tasks": ["arc_easy", "arc_challenge"], "limit": 2},
+        "figures": {"ppl_max_tokens": 256, "rope_dims": [8, 4], "fig4a_rope_dim": 8, "fig5_budget": 0.25},
+        "nightly": {"watch": [str(model_dir)], "budgets": [0.25], "methods": ["transmla"]},
+    }
+    for k, v in sections.items():
+        raw[k] = {**raw.get(k, {}), **v}
+    p = tmp_path / "profile.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+class Counter:
+    """Counts the library calls behind each cached task: a call = the task really computed."""
+
+    def __init__(self, monkeypatch):
+        import tasks.bkv
+        import tasks.calibrate
+        import tasks.evaluate
+        import tasks.rorope
+
+        self.n = {}
+        for mod, name, label in ((tasks.calibrate, "collect_stats", "stats"), (tasks.rorope, "_layer_rotation", "rotation"),
+                                 (tasks.bkv, "_layer_basis", "basis"), (tasks.evaluate, "_perplexity", "ppl"),
+                                 (tasks.evaluate, "evaluate", "benchmarks")):
+            monkeypatch.setattr(mod, name, self._wrap(getattr(mod, name), label))
+
+    def _wrap(self, fn, label):
+        def counted(*a, **k):
+            self.n[label] = self.n.get(label, 0) + 1
+            return fn(*a, **k)
+        return counted
+
+    def take(self) -> dict:
+        out, self.n = self.n, {}
+        return out
+
+
+# ------------------------------------------------------------------ params
+
+def test_profiles_validate():
+    from flows.params import load_profile
+
+    default = load_profile(REPO / "params" / "default.yaml")
+    assert default.device == "cpu" and default.pipeline.models == ("smollm2-135m",)
+    assert default.models["smollm2-135m"].source == "smollm2-135m"
+    paper = load_profile(REPO / "params" / "paper.yaml")
+    assert paper.evaluation.limit is None and paper.evaluation.ppl_max_tokens is None  # full data
+
+
+@pytest.mark.parametrize("override, field", [
+    ({"pipeline.budgets": [1.5]}, "pipeline.budgets"),
+    ({"methods.transmla.freqfold": 3}, "methods.transmla.freqfold"),
+    ({"evaluation.tasks": ["mmlu", "gsm8k"]}, "evaluation.tasks"),
+    ({"pipeline.models": ["nope"]}, "pipeline"),
+    ({"calibration.nsampels": 3}, "calibration.nsampels"),
+])
+def test_bad_params_name_the_field(override, field):
+    from flows.params import load_profile
+
+    with pytest.raises(TransMLAError) as e:
+        load_profile(REPO / "params" / "default.yaml", override)
+    assert field in str(e.value) and "Fix:" in str(e.value)
+
+
+def test_missing_params_file(tmp_path):
+    from flows.params import load_profile
+
+    with pytest.raises(TransMLAError, match="not found"):
+        load_profile(tmp_path / "nope.yaml")
+
+
+def test_cli_bad_param_exits_2_and_writes_nothing(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "flows.convert", "--params", str(REPO / "params" / "default.yaml"),
+                        "--model", "smollm2-135m", "--method", "transmla", "--budget", "0.125",
+                        "-S", "methods.transmla.freqfold=3", "--out", str(tmp_path / "out")],
+                       cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("transmla: error:") and "freqfold" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_impossible_budget_is_one_clear_error(tmp_path, tiny_dir, monkeypatch):
+    from flows.convert import convert
+    from flows.params import load_profile
+
+    monkeypatch.chdir(tmp_path)
+    prof = load_profile(write_profile(tmp_path, tiny_dir))
+    with pytest.raises(TransMLAError, match="too few for any RoPE dim"):
+        convert(prof, "tiny", "transmla", 0.01, out=str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ cache keys
+
+def test_task_key_is_content_addressed(tmp_path):
+    from tasks.artifacts import file_ref, task_key
+
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    a.write_bytes(b"same"), b.write_bytes(b"same")
+    k = task_key("t", ("transmla/bkv.py",), {"x": file_ref(a), "r": 4})
+    assert k == task_key("t", ("transmla/bkv.py",), {"r": 4, "x": file_ref(b)})  # same content, other path
+    assert k != task_key("t", ("transmla/bkv.py",), {"x": file_ref(a), "r": 5})
+    assert k != task_key("t", ("transmla/rorope.py",), {"x": file_ref(a), "r": 4})  # other code
+    b.write_bytes(b"other")
+    assert k != task_key("t", ("transmla/bkv.py",), {"x": file_ref(b), "r": 4})
+
+
+def test_convert_cache_keys(tmp_path, tiny_dir, monkeypatch):
+    from flows.convert import convert
+    from flows.params import load_profile
+
+    monkeypatch.chdir(tmp_path)
+    count = Counter(monkeypatch)
+    prof = load_profile(write_profile(tmp_path, tiny_dir))
+
+    def run(p, method="transmla", budget=0.25):
+        out = tmp_path / "ckpt"
+        shutil.rmtree(out, ignore_errors=True)
+        return convert(p, "tiny", method, budget, out=str(out))
+
+    first = run(prof)
+    assert count.take() == {"stats": 1, "rotation": 2, "basis": 2}  # 2 layers
+    assert (first["transmla"]["qk_rope_head_dim"], first["transmla"]["kv_lora_rank"]) == (4, 12)
+    again = run(prof)
+    assert count.take() == {}  # everything cached
+    assert again["sha256"] == first["sha256"]  # and the export is byte-identical
+    # Another rank at the same RoPE dim (0.3125 of 64 values: R=4, r=16): only the BKV bases.
+    assert run(prof, budget=0.3125)["transmla"]["kv_lora_rank"] == 16
+    assert count.take() == {"basis": 2}
+    # FreqFold changes the rotations, hence the bases; the statistics stay.
+    ff2 = load_profile(write_profile(tmp_path, tiny_dir), {"methods.transmla.freqfold": 2})
+    run(ff2)
+    assert count.take() == {"rotation": 2, "basis": 2}
+    # MHA2MLA has no FreqFold: its steps do not depend on it.
+    run(prof, method="mha2mla")
+    assert count.take() == {"rotation": 2, "basis": 2}
+    run(ff2, method="mha2mla")
+    assert count.take() == {}
+    # Calibration params change everything downstream.
+    run(load_profile(write_profile(tmp_path, tiny_dir), {"calibration.seed": 7}))
+    assert count.take() == {"stats": 1, "rotation": 2, "basis": 2}
+
+
+def test_evaluation_cache_keys(tmp_path, tiny_dir, monkeypatch):
+    from flows.evaluate import evaluate
+    from flows.params import load_profile
+
+    monkeypatch.chdir(tmp_path)
+    count = Counter(monkeypatch)
+    prof = load_profile(write_profile(tmp_path, tiny_dir))
+    row = evaluate(prof, "tiny", "original")
+    assert count.take() == {"ppl": 1, "benchmarks": 1}
+    assert row["benchmark_n"] == {"arc_easy": 2, "arc_challenge": 2} and row["ppl"] > 1
+    assert json.loads((tmp_path / "reports/metrics/tiny/original.json").read_text())["ppl"] == row["ppl"]
+    evaluate(prof, "tiny", "original")
+    assert count.take() == {}
+    evaluate(load_profile(write_profile(tmp_path, tiny_dir), {"evaluation.limit": 3}), "tiny", "original")
+    assert count.take() == {"benchmarks": 1}
+    evaluate(load_profile(write_profile(tmp_path, tiny_dir), {"evaluation.ppl_max_tokens": 384}), "tiny", "original")
+    assert count.take() == {"ppl": 1}
+
+
+def test_cache_hits_across_processes(tmp_path, tiny_dir):
+    """Two separate processes (as two DVC stages): the second finds the first's results."""
+    prof = write_profile(tmp_path, tiny_dir)
+    cmd = [sys.executable, "-m", "flows.calibrate", "--params", str(prof), "--model", "tiny"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run(cmd + ["--out", str(tmp_path / "s1.safetensors")], cwd=tmp_path, env=env, check=True, capture_output=True)
+    store = Path(os.environ["TRANSMLA_STORE"]) / "artifacts" / "calibration_stats"
+    mtimes = {p: p.stat().st_mtime_ns for p in store.rglob("*.safetensors")}
+    subprocess.run(cmd + ["--out", str(tmp_path / "s2.safetensors")], cwd=tmp_path, env=env, check=True, capture_output=True)
+    assert {p: p.stat().st_mtime_ns for p in store.rglob("*.safetensors")} == mtimes  # not recomputed
+    assert (tmp_path / "s1.safetensors").read_bytes() == (tmp_path / "s2.safetensors").read_bytes()
+
+
+# ------------------------------------------------------------------ nightly
+
+def test_nightly_skips_unchanged_releases(tmp_path, tiny_dir, tiny_tokenizer, monkeypatch):
+    from conftest import _tiny_model
+
+    from flows.nightly import nightly
+
+    monkeypatch.chdir(tmp_path)
+    prof = str(write_profile(tmp_path, tiny_dir))
+    first = nightly(prof)
+    assert [r["status"] for r in first] == ["converted"]
+    assert Path(first[0]["checkpoint"], "config.json").is_file()
+    assert [r["status"] for r in nightly(prof)] == ["skipped"]
+    # A new release under the same source (new weights): converted again.
+    _tiny_model("llama", len(tiny_tokenizer), seed=12345).save_pretrained(tiny_dir)
+    third = nightly(prof)
+    assert [r["status"] for r in third] == ["converted"] and third[0]["content_hash"] != first[0]["content_hash"]
+
+
+def test_nightly_deployment_schedule_matches_params():
+    from flows.nightly import deployment
+    from flows.params import load_profile
+
+    cron = load_profile(REPO / "params" / "default.yaml").nightly.cron
+    dep = deployment(str(REPO / "params" / "default.yaml"))
+    assert [s.schedule.cron for s in dep.schedules] == [cron]
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    (nd,) = [d for d in spec["deployments"] if d["name"] == "nightly"]
+    assert nd["schedules"][0]["cron"] == cron
+    module, fn = nd["entrypoint"].split(":")
+    assert (REPO / module).is_file() and fn == "nightly"
+
+
+# ------------------------------------------------------------------ end to end
+
+def test_paper_flow_end_to_end(tmp_path, tiny_dir, monkeypatch):
+    """Every stage on the tiny model: checkpoints, metrics, figures, Table 1 and MLflow runs."""
+    import mlflow
+
+    from flows.paper import paper
+    from flows.params import load_profile
+
+    monkeypatch.chdir(tmp_path)
+    prof = load_profile(write_profile(tmp_path, tiny_dir))
+    text = paper(prof)
+    assert (tmp_path / "reports/table1.md").read_text() == text
+    rows = [line for line in text.splitlines() if line.startswith("| tiny |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["Original", "MHA2MLA", "TransMLA"]
+    for f in ("fig4a_key_norms", "fig4b_rope_removal", "fig5_bkv"):
+        assert (tmp_path / f"reports/figures/tiny/{f}.png").read_bytes()[:4] == b"\x89PNG"
+    fig = json.loads((tmp_path / "reports/metrics/tiny/figures.json").read_text())
+    assert set(fig["fig4b"]["curves"]) == {"MHA2MLA (2-norm)", "RoRoPE", "RoRoPE + FreqFold 4"}
+    assert set(fig["fig5"]["ppl"]) == {"weights", "weights + BKV", "activations", "activations + BKV"}
+    # MLflow: one run per (model, method, budget), nested under the model's pipeline run.
+    runs = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.model` = 'tiny'",
+                              output_format="list")
+    variants = [r for r in runs if r.data.tags["transmla.role"] == "variant"]
+    keys = sorted((r.data.tags["transmla.method"], r.data.tags["transmla.budget"]) for r in variants)
+    assert keys == [("mha2mla", "0.25"), ("original", "none"), ("transmla", "0.25")]
+    (parent,) = [r for r in runs if r.data.tags["transmla.role"] == "pipeline"]
+    assert all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in variants)
+    tm = next(r for r in variants if r.data.tags["transmla.method"] == "transmla")
+    assert tm.data.metrics["kv_cache_reduction"] == pytest.approx(0.75) and tm.data.metrics["wikitext2_ppl"] > 1
+    assert tm.data.params["freqfold"] == "4"
+    # Running it again recomputes nothing and leaves one run per variant.
+    paper(prof)
+    runs2 = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.model` = 'tiny'",
+                               output_format="list")
+    assert len(runs2) == len(runs)
