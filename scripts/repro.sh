@@ -10,7 +10,13 @@ export PREFECT_HOME=${PREFECT_HOME:-$STORE/prefect}
 export PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_UI_ENABLED=false DO_NOT_TRACK=1
 mkdir -p "$PREFECT_HOME"
 
-if [ -z "${PREFECT_API_URL:-}" ]; then
+# Nothing to run (dvc status -q exits 0): skip the server start-up.
+if [ -z "${PREFECT_API_URL:-}" ] && [ $# -eq 0 ] && "$BIN/dvc" status -q >/dev/null 2>&1; then
+  NEED_SERVER=0
+else
+  NEED_SERVER=1
+fi
+if [ -z "${PREFECT_API_URL:-}" ] && [ "$NEED_SERVER" = 1 ]; then
   PORT=$("$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   "$BIN/prefect" server start --host 127.0.0.1 --port "$PORT" >"$PREFECT_HOME/server.log" 2>&1 &
   SERVER=$!
