@@ -75,8 +75,7 @@ def evaluate(profile: Profile, model: str, method: str, budget: float | None = N
     ev = evaluate_ref(profile, model_ref, profile.model(model).dtype)
     row = table_row(model, method, budget, ev, conversion, profile)
     write_text_atomic(out or layout.metrics_file(model, method, budget), json.dumps(row, indent=2))
-    if samples_out is not False:
-        publish(ev["bench_ref"], samples_out or layout.eval_dir(model, method, budget))
+    publish(ev["bench_ref"], samples_out or layout.eval_dir(model, method, budget))  # lm-eval's per-sample logs
     client, run_id = tracking.stage_run(profile.mlflow.experiment, model, method, budget)
     metrics = {"wikitext2_ppl": row["ppl"], "average": row["average"], "arc": row["arc_mean"],
                "kv_cache_ratio": row["kv_cache_ratio"], "kv_cache_reduction": 1 - row["kv_cache_ratio"],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from pathlib import Path
 
 from prefect import flow
 
@@ -55,7 +56,7 @@ def figures(profile: Profile, model: str, stats_file: str | None = None, out_dir
         if R % 2 or spec.d % R or R > spec.d:
             raise TransMLAError(f"RoPE dim {R} does not divide head dim {spec.d} (or is odd).",
                                 "use figures.rope_dims / fig4a_rope_dim that divide the head dim.")
-    out = layout.figures_dir(model) if out_dir is None else __import__("pathlib").Path(out_dir)
+    out = layout.figures_dir(model) if out_dir is None else Path(out_dir)
     st, L, w = stats_of(stats), f.layer, attention_weights(m, f.layer)
     xx, mu = st.second_moment(L), st.mean(L)
     full = 2 * spec.g * spec.d

@@ -33,10 +33,10 @@ def tiny_dir(tmp_path, tiny_tokenizer, request):
     return d
 
 
-def write_profile(tmp_path: Path, model_dir: Path, **sections) -> Path:
+def write_profile(tmp_path: Path, model_dir: Path, name: str = "tiny", **sections) -> Path:
     raw = {
-        "models": {"tiny": {"source": str(model_dir)}},
-        "pipeline": {"models": ["tiny"], "budgets": [0.25], "methods": ["mha2mla", "transmla"]},
+        "models": {name: {"source": str(model_dir)}},
+        "pipeline": {"models": [name], "budgets": [0.25], "methods": ["mha2mla", "transmla"]},
         "calibration": {"nsamples": 8, "seqlen": 64, "batch_size": 4},
         "evaluation": {"ppl_seqlen": 128, "ppl_max_tokens": 512, "tasks": ["arc_easy", "arc_challenge"], "limit": 2},
         "figures": {"ppl_max_tokens": 256, "rope_dims": [8, 4], "fig4a_rope_dim": 8, "fig5_budget": 0.25},
@@ -256,18 +256,18 @@ def test_paper_flow_end_to_end(tmp_path, tiny_dir, monkeypatch):
     from flows.params import load_profile
 
     monkeypatch.chdir(tmp_path)
-    prof = load_profile(write_profile(tmp_path, tiny_dir))
+    prof = load_profile(write_profile(tmp_path, tiny_dir, name="e2e"))  # its own MLflow runs
     text = paper(prof)
     assert (tmp_path / "reports/table1.md").read_text() == text
-    rows = [line for line in text.splitlines() if line.startswith("| tiny |")]
+    rows = [line for line in text.splitlines() if line.startswith("| e2e |")]
     assert [r.split("|")[2].strip() for r in rows] == ["Original", "MHA2MLA", "TransMLA"]
     for f in ("fig4a_key_norms", "fig4b_rope_removal", "fig5_bkv"):
-        assert (tmp_path / f"reports/figures/tiny/{f}.png").read_bytes()[:4] == b"\x89PNG"
-    fig = json.loads((tmp_path / "reports/metrics/tiny/figures.json").read_text())
+        assert (tmp_path / f"reports/figures/e2e/{f}.png").read_bytes()[:4] == b"\x89PNG"
+    fig = json.loads((tmp_path / "reports/metrics/e2e/figures.json").read_text())
     assert set(fig["fig4b"]["curves"]) == {"MHA2MLA (2-norm)", "RoRoPE", "RoRoPE + FreqFold 4"}
     assert set(fig["fig5"]["ppl"]) == {"weights", "weights + BKV", "activations", "activations + BKV"}
     # MLflow: one run per (model, method, budget), nested under the model's pipeline run.
-    runs = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.model` = 'tiny'",
+    runs = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.model` = 'e2e'",
                               output_format="list")
     variants = [r for r in runs if r.data.tags["transmla.role"] == "variant"]
     keys = sorted((r.data.tags["transmla.method"], r.data.tags["transmla.budget"]) for r in variants)
@@ -279,6 +279,6 @@ def test_paper_flow_end_to_end(tmp_path, tiny_dir, monkeypatch):
     assert tm.data.params["freqfold"] == "4"
     # Running it again recomputes nothing and leaves one run per variant.
     paper(prof)
-    runs2 = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.model` = 'tiny'",
+    runs2 = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.model` = 'e2e'",
                                output_format="list")
     assert len(runs2) == len(runs)
