@@ -20,7 +20,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     return ap
 
 
-def profile_of(args) -> Profile:
+def overrides_of(args) -> dict:
+    """-S KEY=YAML options as {dotted key: value}."""
     import yaml
 
     overrides = {}
@@ -29,7 +30,11 @@ def profile_of(args) -> Profile:
             raise TransMLAError(f"-S {kv!r} is not KEY=VALUE.", "write e.g. -S evaluation.limit=5.")
         k, v = kv.split("=", 1)
         overrides[k] = yaml.safe_load(v)
-    return load_profile(args.params, overrides)
+    return overrides
+
+
+def profile_of(args) -> Profile:
+    return load_profile(args.params, overrides_of(args))
 
 
 def run(main) -> None:

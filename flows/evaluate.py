@@ -18,16 +18,15 @@ from tasks.artifacts import dir_ref, load_json, publish
 from tasks.evaluate import benchmarks, perplexity
 from tasks.model import dataset_ref, resolve_model
 from transmla.errors import TransMLAError
-from transmla.evaluation import TASKS as ALL_TASKS
+from transmla.evaluation import SINGLE
 from transmla.paths import write_text_atomic
 from transmla.sources import content_hash
 
 from . import _cli, layout
 from .params import Profile
 
-BENCHMARK_DATA = {"mmlu": ["mmlu_test", "mmlu_dev"], "arc_easy": ["arc_easy"], "arc_challenge": ["arc_challenge"],
-                  "piqa": ["piqa"], "hellaswag": ["hellaswag"], "openbookqa": ["openbookqa"], "winogrande": ["winogrande"]}
-assert set(BENCHMARK_DATA) == set(ALL_TASKS)
+# The data sets each benchmark reads (they join its cache key): evaluation.SINGLE's, plus MMLU's test + dev files.
+BENCHMARK_DATA = {t: list(splits.values()) for t, (_, splits, _) in SINGLE.items()} | {"mmlu": ["mmlu_test", "mmlu_dev"]}
 
 
 def evaluate_ref(profile: Profile, model_ref: dict, dtype: str = "float32") -> dict:

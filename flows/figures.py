@@ -87,9 +87,9 @@ def figures(profile: Profile, model: str, stats_file: str | None = None, out_dir
         for bkv in (False, True):
             o = convert_options(profile, "transmla", f.fig5_budget, pca=pca, balance_kv=bkv)
             ppl5[f"{pca}{' + BKV' if bkv else ''}"] = _ppl(profile, model_ref, stats, o)
-    o = convert_options(profile, "transmla", f.fig5_budget)
+    o = convert_options(profile, "transmla", f.fig5_budget, balance_kv=True)
     budget = resolve_budget(spec, o)
-    rotations, bases = layer_steps(model_ref, stats, convert_options(profile, "transmla", f.fig5_budget, balance_kv=True))
+    rotations, bases = layer_steps(model_ref, stats, o)  # cached: the "+ BKV" point above made them
     rot, alpha = rotation_of(rotations[L]), basis_of(bases[L]).alpha
     wk_nope = rot.T[rot.rope_dim:] @ w.wk
     k_before, v = kv_dim_rms(wk_nope, w.wv, xx)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -66,8 +67,6 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                 stats = stats_for(profile, model_ref)
                 rotations, bases = layer_steps(model_ref, stats, o)
                 if (out / "model").exists():  # an interrupted earlier night: its steps are cached
-                    import shutil
-
                     shutil.rmtree(out / "model")
                 ckpt = export_checkpoint(model_ref, stats, rotations, bases, asdict(o), str(out / "model"))
                 row = table_row(name, method, budget, evaluate_ref(profile, ckpt), ckpt["transmla"], profile)
@@ -103,15 +102,8 @@ def main():
 
         serve(deployment(args.params))
     else:
-        overrides = dict(kv.split("=", 1) for kv in args.set) if args.set else None
-        for r in nightly(args.params, _yaml_values(overrides)):
+        for r in nightly(args.params, _cli.overrides_of(args) or None):
             print(json.dumps(r))
-
-
-def _yaml_values(overrides):
-    import yaml
-
-    return None if overrides is None else {k: yaml.safe_load(v) for k, v in overrides.items()}
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from transmla.errors import TransMLAError
 from transmla.paths import atomic_dir
+from transmla.sources import sha256_file
 
 from ._env import REPO_ROOT, STORE
 
@@ -40,14 +41,6 @@ _current_dir: contextvars.ContextVar[Path] = contextvars.ContextVar("transmla_ta
 
 
 # ---------------------------------------------------------------- hashing
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()
-
 
 def sha256_tree(path: str | os.PathLike) -> str:
     """Content hash of a directory: relative names + file hashes (sorted)."""

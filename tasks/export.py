@@ -31,15 +31,15 @@ def build(model: dict, stats: dict, rotations: list[dict], bases: list[dict], o:
     m, tok = load(model["path"])
     spec = read_spec(m.config)
     st = stats_of(stats)
-    layers, diags = [], []
+    layers, diags, first = [], [], None
     for i, (rref, bref) in enumerate(zip(rotations, bases, strict=True)):
         rot, basis = rotation_of(rref), basis_of(bref)
+        first = first or (rot, basis)
         layer, diag = build_mla_layer(attention_weights(m, i), rot, basis, spec.h, spec.g, spec.d,
                                       st.second_moment(i), st.mean(i), o.q_lora_rank, o.norm_eps)
         layers.append(layer)
         diags.append(diag)
-    rot0 = rotation_of(rotations[0])
-    budget = Budget(tuple(rot0.plan), basis_of(bases[0]).rank, 2 * spec.g * spec.d)
+    budget = Budget(tuple(first[0].plan), first[1].rank, 2 * spec.g * spec.d)
     info = {"source": model.get("source"), "content_hash": model["sha256"]}
     metadata = conversion_metadata(info, spec, budget, o, diags)
     metadata["calibration_tokens"] = load_tensors(stats)[1].get("tokens")
