@@ -26,21 +26,25 @@ class DatasetSpec:
     """A data set: a local JSONL file (relative to the data dir) and its hub equivalent."""
 
     name: str
-    local_file: str
+    local_file: str | None  # relative to the data dir; None: hub only
     hub_path: str
     hub_name: str | None
     hub_split: str
     text_field: str | None = "text"
+    line_rows: bool = False  # rows are the lines of one running text (WikiText), not documents
 
 
 REGISTRY: dict[str, DatasetSpec] = {
     s.name: s
     for s in [
-        DatasetSpec("wikitext2-test", "wikitext2/test.jsonl", "wikitext", "wikitext-2-raw-v1", "test"),
+        DatasetSpec("wikitext2-test", "wikitext2/test.jsonl", "wikitext", "wikitext-2-raw-v1", "test", line_rows=True),
         # Only the first ~2.9 MB of the train split exists offline; it is the calibration source.
-        DatasetSpec("wikitext2-train", "wikitext2/train_partial.jsonl", "wikitext", "wikitext-2-raw-v1", "train"),
+        DatasetSpec("wikitext2-train", "wikitext2/train_partial.jsonl", "wikitext", "wikitext-2-raw-v1", "train", line_rows=True),
         DatasetSpec("c4-demo", "corpus/c4_demo.jsonl", "allenai/c4", "en", "train"),
         DatasetSpec("wiki-demo", "corpus/wiki_demo.jsonl", "wikimedia/wikipedia", "20231101.en", "train"),
+        # The paper's fine-tune corpus (SmolLM pre-training mix, appendix E); hub only.
+        DatasetSpec("fineweb-edu-dedup", None, "HuggingFaceTB/smollm-corpus", "fineweb-edu-dedup", "train"),
+        DatasetSpec("cosmopedia-v2", None, "HuggingFaceTB/smollm-corpus", "cosmopedia-v2", "train"),
         DatasetSpec("arc_easy", "benchmarks/arc_easy_test.jsonl", "allenai/ai2_arc", "ARC-Easy", "test", None),
         DatasetSpec("arc_challenge", "benchmarks/arc_challenge_test.jsonl", "allenai/ai2_arc", "ARC-Challenge", "test", None),
         DatasetSpec("hellaswag", "benchmarks/hellaswag_validation.jsonl", "Rowan/hellaswag", None, "validation", None),
@@ -65,6 +69,9 @@ def spec(name: str) -> DatasetSpec:
 def local_path(name: str, data_dir_override: str | os.PathLike | None = None) -> Path:
     """Absolute path of a data set's local file; a clear error if it is missing."""
     s = spec(name)
+    if s.local_file is None:
+        raise TransMLAError(f"Data set {name!r} has no offline copy (hub: {s.hub_path} {s.hub_name}).",
+                            f"set {DATA_SOURCE_ENV}=hub on a machine with hub access, or use a local corpus.")
     root = data_dir(data_dir_override)
     path = root / s.local_file
     if not path.is_file():
@@ -103,3 +110,23 @@ def load_texts(name: str, data_dir_override=None, source: str | None = None) -> 
     if s.text_field is None:
         raise TransMLAError(f"Data set {name!r} has no single text field.", "use load_rows() instead.")
     return [r[s.text_field] for r in load_rows(name, data_dir_override, source)]
+
+
+def load_documents(name: str, data_dir_override=None, source: str | None = None,
+                   max_documents: int | None = None) -> list[str]:
+    """A text data set as documents: each non-blank row, or for line-row sets (WikiText) the rows
+    joined with blank lines into one running text, the way the perplexity evaluation reads them.
+
+    `max_documents` takes the first N documents; on the hub path the data set is then streamed, so a
+    corpus like C4 is never downloaded whole.
+    """
+    s = spec(name)
+    if _source(source) == "hub" and max_documents is not None:
+        import datasets
+
+        ds = datasets.load_dataset(s.hub_path, s.hub_name, split=s.hub_split, streaming=True)
+        texts = [r[s.text_field] for r in (ds if s.line_rows else ds.take(max_documents))]
+    else:
+        texts = load_texts(name, data_dir_override, source)
+    docs = ["\n\n".join(texts)] if s.line_rows else [t for t in texts if t.strip()]
+    return docs if max_documents is None else docs[:max_documents]
