@@ -14,8 +14,10 @@ def budget_str(budget: float) -> str:
     return repr(float(budget))
 
 
-def variant(method: str, budget: float | None) -> str:
-    return "original" if method == "original" else f"{method}-{budget_str(budget)}"
+def variant(method: str, budget: float | None, finetuned: bool = False) -> str:
+    """Name of one Table-1 row: original | <method>-<budget> | <method>-<budget>-ft (fine-tuned)."""
+    name = "original" if method == "original" else f"{method}-{budget_str(budget)}"
+    return name + "-ft" if finetuned else name
 
 
 def calibration_file(model: str) -> Path:
@@ -26,12 +28,26 @@ def checkpoint_dir(model: str, method: str, budget: float) -> Path:
     return ARTIFACTS / model / variant(method, budget) / "model"
 
 
-def eval_dir(model: str, method: str, budget: float | None) -> Path:
-    return ARTIFACTS / model / variant(method, budget) / "eval"
+def finetuned_dir(model: str, method: str, budget: float) -> Path:
+    return ARTIFACTS / model / variant(method, budget, True) / "model"
 
 
-def metrics_file(model: str, method: str, budget: float | None) -> Path:
-    return REPORTS / "metrics" / model / f"{variant(method, budget)}.json"
+def eval_dir(model: str, method: str, budget: float | None, finetuned: bool = False) -> Path:
+    return ARTIFACTS / model / variant(method, budget, finetuned) / "eval"
+
+
+def metrics_file(model: str, method: str, budget: float | None, finetuned: bool = False) -> Path:
+    return REPORTS / "metrics" / model / f"{variant(method, budget, finetuned)}.json"
+
+
+def training_file(model: str, method: str, budget: float) -> Path:
+    """The fine-tune run's summary (DVC metrics)."""
+    return REPORTS / "metrics" / model / f"{variant(method, budget, True)}.train.json"
+
+
+def loss_curve_file(model: str, method: str, budget: float) -> Path:
+    """The fine-tune loss curves, one row per logged step (DVC plots)."""
+    return REPORTS / "plots" / model / f"{variant(method, budget, True)}-loss.csv"
 
 
 def figures_dir(model: str) -> Path:

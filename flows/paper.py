@@ -1,6 +1,7 @@
 """Flow: the whole pipeline in one process (what `dvc repro` runs stage by stage).
 
     for each model:  calibrate -> [convert -> evaluate] per budget x method, evaluate original
+                     -> [finetune -> evaluate --finetuned] per finetune.budgets x finetune.methods
                      -> figures
     report (Table 1 + figures)
 
@@ -21,6 +22,7 @@ from .calibrate import calibrate
 from .convert import convert
 from .evaluate import evaluate
 from .figures import figures
+from .finetune import finetune
 from .params import Profile
 from .report import report
 
@@ -38,6 +40,12 @@ def paper(profile: Profile, with_figures: bool = True) -> str:
                     shutil.rmtree(ckpt)
                 convert(profile, model, method, budget, stats_file=stats)
                 evaluate(profile, model, method, budget)
+                if profile.finetuned(method, budget):
+                    ft = layout.finetuned_dir(model, method, budget)
+                    if ft.exists():
+                        shutil.rmtree(ft)
+                    finetune(profile, model, method, budget)
+                    evaluate(profile, model, method, budget, finetuned=True)
         if with_figures:
             figures(profile, model, stats_file=stats)
     return report(profile)

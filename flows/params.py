@@ -108,6 +108,38 @@ class PipelineParams(Strict):
         return v
 
 
+class FinetuneParams(Strict):
+    """Recovery fine-tune of converted models, then re-evaluation (paper appendix E).
+
+    Which conversions are fine-tuned: `methods` x `budgets` (each must be in pipeline:). The rest
+    mirrors transmla.finetune.FinetuneConfig (training tokens, optimiser, schedule, checkpoints).
+    """
+
+    methods: tuple[Literal["transmla", "mha2mla"], ...] = ("transmla",)
+    budgets: tuple[float, ...] = ()  # () = no fine-tune stage
+    corpora: tuple[str, ...] = ("c4-demo", "wiki-demo", "wikitext2-train")
+    max_documents: int | None = Field(None, ge=1)  # per corpus; hub corpora are streamed up to it
+    mode: Literal["full", "attention"] = "full"
+    max_tokens: int = Field(1_000_000, ge=1)  # training tokens
+    seqlen: int = Field(512, ge=2)
+    batch_size: int = Field(8, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_ratio: float = Field(0.03, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    val_tokens: int = Field(32_768, ge=1)
+    eval_every: int = Field(25, ge=1)
+    log_every: int = Field(5, ge=1)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    seed: int = 0
+
+    def config(self, device: str) -> dict:
+        """The transmla.finetune.FinetuneConfig fields (what defines the training run)."""
+        return {**self.model_dump(exclude={"methods", "budgets", "corpora", "max_documents"}), "device": device}
+
+
 class NightlyParams(Strict):
     """Nightly conversions of a watch list of sources; an unchanged release (same content hash) is skipped."""
 
@@ -131,6 +163,7 @@ class Profile(Strict):
     export: ExportParams = ExportParams()
     evaluation: EvaluationParams = EvaluationParams()
     figures: FiguresParams = FiguresParams()
+    finetune: FinetuneParams = FinetuneParams()
     nightly: NightlyParams = NightlyParams()
     mlflow: MLflowParams = MLflowParams()
 
@@ -150,7 +183,16 @@ class Profile(Strict):
         missing = [m for m in self.pipeline.models if m not in self.models]
         if missing:
             raise ValueError(f"pipeline.models lists {missing}, which are not keys of models:")
+        ft, p = self.finetune, self.pipeline
+        for what, chosen, available in (("budgets", ft.budgets, p.budgets), ("methods", ft.methods, p.methods)):
+            extra = [x for x in chosen if x not in available]
+            if extra:
+                raise ValueError(f"finetune.{what} lists {extra}, which are not in pipeline.{what} {list(available)}")
         return self
+
+    def finetuned(self, method: str, budget: float | None) -> bool:
+        """Whether the pipeline fine-tunes this conversion."""
+        return method in self.finetune.methods and budget in self.finetune.budgets
 
     def model(self, name: str) -> ModelParams:
         if name not in self.models:

@@ -21,9 +21,10 @@ def rows_of(profile: Profile) -> list[dict]:
     rows, missing = [], []
     p = profile.pipeline
     for model in p.models:
-        keys = [("original", None)] + [(m, b) for b in p.budgets for m in p.methods]
-        for method, budget in keys:
-            f = layout.metrics_file(model, method, budget)
+        keys = [("original", None, False)] + [(m, b, False) for b in p.budgets for m in p.methods]
+        keys += [(m, b, True) for b in p.budgets for m in p.methods if profile.finetuned(m, b)]
+        for method, budget, finetuned in keys:
+            f = layout.metrics_file(model, method, budget, finetuned)
             if f.is_file():
                 rows.append(json.loads(f.read_text()))
             else:
@@ -49,8 +50,16 @@ def report(profile: Profile) -> str:
         f"Calibration: {profile.calibration.nsamples} x {profile.calibration.seqlen} tokens of "
         f"{profile.calibration.dataset}; TransMLA = RoRoPE + FreqFold {profile.methods.transmla.freqfold} + "
         f"BKV ({profile.methods.transmla.pca} PCA); MHA2MLA = 2-norm RoPE selection + joint SVD of the weights.",
-        "Tokens = fine-tuning tokens after conversion (0: conversion only).",
+        "Tokens = fine-tuning tokens after conversion (0: conversion only; the paper's rows use 300M-6B).",
     ]
+    ft = profile.finetune
+    if ft.budgets:
+        notes.append(
+            f"Fine-tune ({ft.mode}, transformers Trainer): {', '.join(ft.corpora)} packed into {ft.seqlen}-token "
+            f"blocks, batch {ft.batch_size} x {ft.grad_accum}, lr {ft.lr:g} {ft.schedule} (warmup {ft.warmup_ratio:g}), "
+            f"{ft.dtype}; loss curves in reports/plots/."
+            + (" WikiText-2 train is one of the corpora, so part of the perplexity gain is in-domain adaptation, "
+               "not only recovery." if "wikitext2-train" in ft.corpora else ""))
     figs = {}
     for model in profile.pipeline.models:
         f = layout.REPORTS / "metrics" / model / "figures.json"

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from ._env import STORE
 
-ROLE, MODEL, METHOD, BUDGET, CONFIG = ("transmla.role", "transmla.model", "transmla.method",
-                                       "transmla.budget", "transmla.config")
+ROLE, MODEL, METHOD, BUDGET, FINETUNED, CONFIG = ("transmla.role", "transmla.model", "transmla.method",
+                                                  "transmla.budget", "transmla.finetuned", "transmla.config")
 
 
 def _client(experiment: str):
@@ -48,21 +48,22 @@ def pipeline_run(client, exp_id: str, model: str) -> str:
     return run.info.run_id
 
 
-def stage_run(experiment: str, model: str, method: str, budget: float | None, config: dict | None = None):
-    """(client, run_id) of the (model, method, budget) run; created (nested) if missing.
+def stage_run(experiment: str, model: str, method: str, budget: float | None, config: dict | None = None,
+              finetuned: bool = False):
+    """(client, run_id) of the (model, method, budget[, fine-tuned]) run; created (nested) if missing.
 
-    `config` (convert stage): if the run was made for another config, it is replaced.
+    `config` (convert and finetune stages): if the run was made for another config, it is replaced.
     """
     client, exp_id = _client(experiment)
     parent = pipeline_run(client, exp_id, model)
     b = "none" if budget is None else repr(float(budget))
-    tags = {ROLE: "variant", MODEL: model, METHOD: method, BUDGET: b}
+    tags = {ROLE: "variant", MODEL: model, METHOD: method, BUDGET: b, FINETUNED: str(finetuned).lower()}
     cfg = None if config is None else json.dumps(config, sort_keys=True, default=str)
     for run in _find(client, exp_id, tags):
         if cfg is None or run.data.tags.get(CONFIG) == cfg[:5000]:
             return client, run.info.run_id
         client.delete_run(run.info.run_id)
-    name = f"{model} {method}" + ("" if budget is None else f" kv-{(1 - float(budget)) * 100:g}%")
+    name = f"{model} {method}" + ("" if budget is None else f" kv-{(1 - float(budget)) * 100:g}%") + (" ft" if finetuned else "")
     extra = {"mlflow.parentRunId": parent, "kv_reduction": "0" if budget is None else f"{1 - float(budget):g}"}
     if cfg is not None:
         extra[CONFIG] = cfg[:5000]
@@ -72,9 +73,11 @@ def stage_run(experiment: str, model: str, method: str, budget: float | None, co
 
 
 def log(client, run_id: str, params: dict | None = None, metrics: dict | None = None,
-        artifacts: dict[str, object] | None = None, files: list[str | Path] = (), tags: dict | None = None) -> None:
-    """Params (flattened; MLflow params are write-once), numeric metrics, tags (overwritable), small
-    JSON artifacts and files into one run."""
+        artifacts: dict[str, object] | None = None, files: list[str | Path] = (), tags: dict | None = None,
+        history: dict[str, list[tuple[int, float]]] | None = None) -> None:
+    """Params (flattened; MLflow params are write-once), numeric metrics, metric histories (name ->
+    [(step, value)], e.g. loss curves; logged once per run), tags
+    (overwritable), small JSON artifacts and files into one run."""
     from mlflow.entities import Metric, Param, RunTag
 
     flat = _flatten(params or {})
@@ -82,8 +85,14 @@ def log(client, run_id: str, params: dict | None = None, metrics: dict | None = 
     new_params = [Param(k, str(v)[:6000]) for k, v in flat.items() if k not in existing]
     now = int(time.time() * 1000)
     ms = [Metric(k, float(v), now, 0) for k, v in (metrics or {}).items() if isinstance(v, (int, float)) and v is not None]
-    client.log_batch(run_id, metrics=ms, params=new_params,
-                     tags=[RunTag(k, str(v)[:5000]) for k, v in _flatten(tags or {}).items()])
+    logged = client.get_run(run_id).data.metrics
+    for name, points in (history or {}).items():
+        if name in logged:  # a re-run logs the same curve again: keep one copy
+            continue
+        ms += [Metric(name, float(v), now, int(step)) for step, v in points]
+    for i in range(0, max(len(ms), 1), 1000):  # MLflow's batch limit
+        client.log_batch(run_id, metrics=ms[i : i + 1000], params=new_params if i == 0 else [],
+                         tags=[RunTag(k, str(v)[:5000]) for k, v in _flatten(tags or {}).items()] if i == 0 else [])
     with tempfile.TemporaryDirectory() as tmp:
         for name, obj in (artifacts or {}).items():
             p = Path(tmp) / name

@@ -41,6 +41,9 @@ def write_profile(tmp_path: Path, model_dir: Path, name: str = "tiny", **section
         "evaluation": {"ppl_seqlen": 128, "ppl_max_tokens": 512, "tasks": ["arc_easy", "arc_challenge"], "limit": 2},
         "figures": {"ppl_max_tokens": 256, "rope_dims": [8, 4], "fig4a_rope_dim": 8, "fig5_budget": 0.25},
         "nightly": {"watch": [str(model_dir)], "budgets": [0.25], "methods": ["transmla"]},
+        "finetune": {"budgets": [0.25], "methods": ["transmla"], "corpora": ["c4-demo", "wiki-demo"],
+                     "max_documents": 20, "max_tokens": 6 * 4 * 64, "seqlen": 64, "batch_size": 4, "lr": 3e-3,
+                     "warmup_ratio": 0.0, "val_tokens": 256, "eval_every": 3, "log_every": 1},
     }
     for k, v in sections.items():
         raw[k] = {**raw.get(k, {}), **v}
@@ -59,9 +62,12 @@ class Counter:
         import tasks.rorope
 
         self.n = {}
+        import tasks.finetune
+
         for mod, name, label in ((tasks.calibrate, "collect_stats", "stats"), (tasks.rorope, "_layer_rotation", "rotation"),
                                  (tasks.bkv, "_layer_basis", "basis"), (tasks.evaluate, "_perplexity", "ppl"),
-                                 (tasks.evaluate, "evaluate", "benchmarks")):
+                                 (tasks.evaluate, "evaluate", "benchmarks"),
+                                 (tasks.finetune, "finetune_on_corpora", "finetune")):
             monkeypatch.setattr(mod, name, self._wrap(getattr(mod, name), label))
 
     def _wrap(self, fn, label):
@@ -93,6 +99,9 @@ def test_profiles_validate():
     ({"evaluation.tasks": ["mmlu", "gsm8k"]}, "evaluation.tasks"),
     ({"pipeline.models": ["nope"]}, "pipeline"),
     ({"calibration.nsampels": 3}, "calibration.nsampels"),
+    ({"finetune.budgets": [0.5]}, "finetune.budgets"),
+    ({"finetune.mode": "lora"}, "finetune.mode"),
+    ({"finetune.lr": 0}, "finetune.lr"),
 ])
 def test_bad_params_name_the_field(override, field):
     from flows.params import load_profile
@@ -213,6 +222,52 @@ def test_cache_hits_across_processes(tmp_path, tiny_dir):
     assert (tmp_path / "s1.safetensors").read_bytes() == (tmp_path / "s2.safetensors").read_bytes()
 
 
+def test_finetune_stage_cache_and_reeval(tmp_path, tiny_dir, monkeypatch):
+    """finetune -> evaluate --finetuned: cached on (checkpoint, corpora, config); the row carries the
+    tokens; the loss curves reach the DVC plots file and MLflow."""
+    import mlflow
+    from transformers import AutoModelForCausalLM
+
+    from flows.convert import convert
+    from flows.evaluate import evaluate
+    from flows.finetune import finetune
+    from flows.params import load_profile
+
+    monkeypatch.chdir(tmp_path)
+    count = Counter(monkeypatch)
+    prof = load_profile(write_profile(tmp_path, tiny_dir, name="ftp"))
+    convert(prof, "ftp", "transmla", 0.25)
+    with pytest.raises(TransMLAError, match="No fine-tuned checkpoint"):
+        evaluate(prof, "ftp", "transmla", 0.25, finetuned=True)
+    count.take()
+    ref = finetune(prof, "ftp", "transmla", 0.25)
+    assert count.take() == {"finetune": 1}
+    summary = ref["finetune"]
+    assert summary["tokens_trained"] == 6 * 4 * 64 and summary["val_loss_after"] < summary["val_loss_before"]
+    ckpt = tmp_path / "artifacts/ftp/transmla-0.25-ft/model"
+    assert type(AutoModelForCausalLM.from_pretrained(ckpt)).__name__ == "DeepseekV3ForCausalLM"
+    curve = (tmp_path / "reports/plots/ftp/transmla-0.25-ft-loss.csv").read_text().splitlines()
+    assert curve[0] == "step,train_loss,val_loss,learning_rate" and len(curve) >= 7
+    train = json.loads((tmp_path / "reports/metrics/ftp/transmla-0.25-ft.train.json").read_text())
+    assert train["val_loss_after"] == summary["val_loss_after"]
+    # Same inputs: cached (the DVC out is re-published from the store); a new lr trains again.
+    shutil.rmtree(ckpt)
+    assert finetune(prof, "ftp", "transmla", 0.25)["sha256"] == ref["sha256"] and ckpt.is_dir()
+    assert count.take() == {}
+    row = evaluate(prof, "ftp", "transmla", 0.25, finetuned=True)
+    assert row["tokens_trained"] == 6 * 4 * 64 and row["finetuned"]
+    assert json.loads((tmp_path / "reports/metrics/ftp/transmla-0.25-ft.json").read_text())["ppl"] == row["ppl"]
+    assert count.take() == {"ppl": 1, "benchmarks": 1}
+    shutil.rmtree(ckpt)
+    finetune(load_profile(write_profile(tmp_path, tiny_dir, name="ftp"), {"finetune.lr": 1e-3}), "ftp", "transmla", 0.25)
+    assert count.take() == {"finetune": 1}
+    runs = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.finetuned` = 'true'",
+                              output_format="list")
+    run = next(r for r in runs if r.data.tags["transmla.model"] == "ftp")
+    history = mlflow.tracking.MlflowClient().get_metric_history(run.info.run_id, "train_loss")
+    assert len(history) >= 6 and {m.step for m in history} >= {1, 6}
+
+
 # ------------------------------------------------------------------ nightly
 
 def test_nightly_skips_unchanged_releases(tmp_path, tiny_dir, tiny_tokenizer, monkeypatch):
@@ -260,7 +315,8 @@ def test_paper_flow_end_to_end(tmp_path, tiny_dir, monkeypatch):
     text = paper(prof)
     assert (tmp_path / "reports/table1.md").read_text() == text
     rows = [line for line in text.splitlines() if line.startswith("| e2e |")]
-    assert [r.split("|")[2].strip() for r in rows] == ["Original", "MHA2MLA", "TransMLA"]
+    assert [r.split("|")[2].strip() for r in rows] == ["Original", "MHA2MLA", "TransMLA", "TransMLA"]
+    assert [r.split("|")[-3].strip() for r in rows] == ["0", "0", "0", f"{6 * 4 * 64:,}"]  # Tokens column
     for f in ("fig4a_key_norms", "fig4b_rope_removal", "fig5_bkv"):
         assert (tmp_path / f"reports/figures/e2e/{f}.png").read_bytes()[:4] == b"\x89PNG"
     fig = json.loads((tmp_path / "reports/metrics/e2e/figures.json").read_text())
@@ -270,11 +326,16 @@ def test_paper_flow_end_to_end(tmp_path, tiny_dir, monkeypatch):
     runs = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.model` = 'e2e'",
                               output_format="list")
     variants = [r for r in runs if r.data.tags["transmla.role"] == "variant"]
-    keys = sorted((r.data.tags["transmla.method"], r.data.tags["transmla.budget"]) for r in variants)
-    assert keys == [("mha2mla", "0.25"), ("original", "none"), ("transmla", "0.25")]
+    keys = sorted((r.data.tags["transmla.method"], r.data.tags["transmla.budget"], r.data.tags["transmla.finetuned"])
+                  for r in variants)
+    assert keys == [("mha2mla", "0.25", "false"), ("original", "none", "false"), ("transmla", "0.25", "false"),
+                    ("transmla", "0.25", "true")]
     (parent,) = [r for r in runs if r.data.tags["transmla.role"] == "pipeline"]
     assert all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in variants)
-    tm = next(r for r in variants if r.data.tags["transmla.method"] == "transmla")
+    tm = next(r for r in variants if r.data.tags["transmla.method"] == "transmla" and r.data.tags["transmla.finetuned"] == "false")
+    ft = next(r for r in variants if r.data.tags["transmla.finetuned"] == "true")
+    assert ft.data.metrics["tokens_trained"] == 6 * 4 * 64 and ft.data.metrics["wikitext2_ppl"] > 1
+    assert ft.data.metrics["val_loss_after"] < ft.data.metrics["val_loss_before"]
     assert tm.data.metrics["kv_cache_reduction"] == pytest.approx(0.75) and tm.data.metrics["wikitext2_ppl"] > 1
     assert tm.data.params["freqfold"] == "4"
     # Running it again recomputes nothing and leaves one run per variant.

@@ -69,6 +69,30 @@ def cmd_eval(args) -> dict:
                     out_dir=args.out, data_dir=args.data_dir)
 
 
+def cmd_finetune(args) -> dict:
+    from pathlib import Path
+
+    from .data import load_documents
+    from .finetune import FinetuneConfig, finetune_on_corpora
+    from .paths import new_output_dir
+    from .sources import load_model
+
+    cfg = FinetuneConfig(mode=args.mode, max_tokens=args.max_tokens, seqlen=args.seqlen, batch_size=args.batch_size,
+                         grad_accum=args.grad_accum, lr=args.lr, schedule=args.schedule, warmup_ratio=args.warmup_ratio,
+                         val_tokens=args.val_tokens, eval_every=args.eval_every, dtype=args.dtype, device=args.device,
+                         seed=args.seed)
+    cfg.validate()
+    out = new_output_dir(args.out)  # fail before hours of training, not after
+    model, tok = load_model(args.model, dtype="float32", device=args.device, cache=args.cache_dir)
+    names = [c.strip() for c in args.corpora.split(",") if c.strip()]
+    docs = {n: load_documents(n, data_dir_override=args.data_dir) for n in names}
+    work = Path(args.work_dir) if args.work_dir else out.with_name(f".{out.name}.trainer")
+    record = finetune_on_corpora(model, tok, docs, cfg, work, out)
+    keys = ("val_loss_before", "val_loss_after", "train_loss", "steps", "tokens_trained", "resumed_from",
+            "seconds_this_run", "tokens_per_second", "params")
+    return {"out": str(out), **{k: record[k] for k in keys}}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="transmla",
@@ -123,6 +147,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eps of the target runtime's kv_a_layernorm (default 1e-6, transformers' fixed value; "
                         "vLLM uses config.rms_norm_eps)")
     c.set_defaults(func=cmd_convert)
+
+    t = sub.add_parser("finetune", parents=[common], help="recovery fine-tune of a converted model (Trainer)",
+                       description="Causal-LM fine-tune of a converted (stock DeepseekV3) checkpoint on packed text "
+                                   "corpora with a held-out validation split; writes a stock checkpoint. Running the "
+                                   "same command again after an interruption resumes from the last checkpoint.")
+    t.add_argument("--model", required=True, help="converted model directory (transmla convert --out)")
+    t.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    t.add_argument("--corpora", default="c4-demo,wiki-demo,wikitext2-train", help="comma list of data sets")
+    t.add_argument("--mode", default="full", choices=["full", "attention"], help="train every weight or only the MLA projections")
+    t.add_argument("--max-tokens", type=int, default=368_640, help="training tokens (default 368,640)")
+    t.add_argument("--seqlen", type=int, default=512)
+    t.add_argument("--batch-size", type=int, default=8)
+    t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--lr", type=float, default=1e-4)
+    t.add_argument("--schedule", default="constant", choices=["constant", "cosine"], help="with linear warmup")
+    t.add_argument("--warmup-ratio", type=float, default=0.08)
+    t.add_argument("--val-tokens", type=int, default=32_768, help="held-out tokens for the validation loss")
+    t.add_argument("--eval-every", type=int, default=15, help="steps between validation losses and checkpoints")
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 = mixed precision")
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--work-dir", default=None, help="Trainer checkpoints (default: .<out>.trainer beside --out)")
+    t.set_defaults(func=cmd_finetune)
 
     from .evaluation import TASKS
 

@@ -1,0 +1,89 @@
+"""Flow: recovery fine-tune of one converted model -> a stock DeepseekV3 checkpoint, loss curves.
+
+    converted checkpoint + corpora -> finetune (Trainer; resumes a killed run) -> fine-tuned checkpoint
+                                                                                -> loss curves (DVC plots, MLflow)
+
+    python -m flows.finetune --model smollm2-135m --method transmla --budget 0.125 [--checkpoint DIR] [--out DIR]
+
+The re-evaluation is the evaluate flow with --finetuned (its own DVC stage).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+from prefect import flow
+
+from tasks import tracking
+from tasks.artifacts import dir_ref, publish
+from tasks.finetune import finetune_checkpoint
+from tasks.model import dataset_ref
+from transmla.errors import TransMLAError
+from transmla.paths import write_text_atomic
+from transmla.sources import content_hash
+
+from . import _cli, layout
+from .params import Profile
+
+
+def loss_curves(log_history: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """Trainer log history -> {"train_loss": [(step, loss)], "val_loss": [...], "learning_rate": [...]}."""
+    keys = {"train_loss": "loss", "val_loss": "eval_loss", "learning_rate": "learning_rate"}
+    return {name: [(h["step"], h[k]) for h in log_history if k in h] for name, k in keys.items()}
+
+
+def curves_csv(curves: dict[str, list[tuple[int, float]]]) -> str:
+    """One row per logged step: step, train_loss, val_loss, learning_rate (blank where not logged)."""
+    steps = sorted({s for points in curves.values() for s, _ in points})
+    by = {name: dict(points) for name, points in curves.items()}
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["step", *curves])
+    for s in steps:
+        w.writerow([s, *[by[name].get(s, "") for name in curves]])
+    return buf.getvalue()
+
+
+@flow(name="finetune")
+def finetune(profile: Profile, model: str, method: str, budget: float, checkpoint: str | None = None,
+             out: str | None = None) -> dict:
+    ft = profile.finetune
+    src = Path(checkpoint or layout.checkpoint_dir(model, method, budget))
+    if not (src / "config.json").is_file():
+        raise TransMLAError(f"No converted checkpoint at {src}.", "run the convert flow (or dvc repro) first.")
+    config = ft.config(profile.device)
+    ref = finetune_checkpoint(dir_ref(src, sha256=content_hash(src)), [dataset_ref(c) for c in ft.corpora],
+                              config, ft.max_documents)
+    dest = publish(ref, out or layout.finetuned_dir(model, method, budget))
+    record = json.loads((dest / "transmla_finetune.json").read_text())
+    curves = loss_curves(record["log_history"])
+    summary = {"model": model, "method": method, "budget": budget, "corpora": list(ft.corpora),
+               **{k: v for k, v in record.items() if k != "log_history"}}
+    if out is None:  # pipeline outputs; an explicit --out is a one-off run
+        write_text_atomic(layout.training_file(model, method, budget), json.dumps(summary, indent=2, default=str))
+        write_text_atomic(layout.loss_curve_file(model, method, budget), curves_csv(curves))
+    client, run_id = tracking.stage_run(profile.mlflow.experiment, model, method, budget,
+                                        {**config, "corpora": list(ft.corpora)}, finetuned=True)
+    tracking.log(client, run_id, params={"model": model, "finetune": config, "corpora": ",".join(ft.corpora)},
+                 metrics={k: record[k] for k in ("val_loss_before", "val_loss_after", "train_loss", "tokens_trained",
+                                                 "tokens_per_second", "seconds_this_run")},
+                 history=curves, artifacts={"finetune.json": summary})
+    return ref
+
+
+def main():
+    ap = _cli.parser(__doc__)
+    ap.add_argument("--model", required=True, help="a model name from the params' models:")
+    ap.add_argument("--method", required=True, choices=["transmla", "mha2mla"])
+    ap.add_argument("--budget", required=True, type=float, help="KV-cache fraction kept, e.g. 0.125")
+    ap.add_argument("--checkpoint", help="converted model dir (default artifacts/<model>/<method>-<budget>/model)")
+    ap.add_argument("--out", help="fine-tuned model dir (default artifacts/<model>/<method>-<budget>-ft/model)")
+    args = ap.parse_args()
+    finetune(_cli.profile_of(args), args.model, args.method, args.budget, args.checkpoint, args.out)
+
+
+if __name__ == "__main__":
+    _cli.run(main)

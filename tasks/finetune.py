@@ -1,0 +1,34 @@
+"""Stage 6: recovery fine-tune of a converted checkpoint (transformers Trainer), cached on the
+checkpoint's content hash, the corpora's hashes and the training config.
+
+The Trainer's checkpoints live in the task run's own directory (content-addressed by the same key),
+so a killed run started again with the same inputs resumes from its last checkpoint. They are
+deleted once the fine-tuned model is written: the model is the result, the checkpoints only a way
+to get there.
+"""
+
+from __future__ import annotations
+
+from transmla.data import load_documents
+from transmla.finetune import FinetuneConfig, finetune_on_corpora
+from transmla.sources import content_hash, load_model
+
+from .artifacts import cached_task, dir_ref, task_dir
+from .model import data_dir_of
+
+
+@cached_task("finetune", code=("transmla/finetune.py", "transmla/data.py"))
+def finetune_checkpoint(model: dict, corpora: list[dict], config: dict, max_documents: int | None = None) -> dict:
+    """Fine-tune a converted (stock DeepseekV3) model dir -> ref to the fine-tuned model dir.
+
+    The ref carries the run summary (tokens, losses before/after, tokens/s); the directory holds
+    transmla_finetune.json with the full Trainer log history (loss curves).
+    """
+    d = task_dir()
+    cfg = FinetuneConfig(**config)
+    m, tok = load_model(model["path"], dtype="float32", device=cfg.device)  # fp32 master weights; bf16 = autocast
+    docs = {c["name"]: load_documents(c["name"], data_dir_override=data_dir_of(c), max_documents=max_documents)
+            for c in corpora}
+    record = finetune_on_corpora(m, tok, docs, cfg, d / "trainer", d / "model")
+    summary = {k: v for k, v in record.items() if k not in ("log_history", "config", "data")}
+    return dir_ref(d / "model", sha256=content_hash(d / "model"), finetune=summary)
