@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .errors import TransMLAError
+from .fast_attention import use_causal_padded_sdpa
 from .mla import norm_identity_scale
 
 MODES = ("full", "attention")
@@ -136,7 +137,7 @@ class Blocks(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         x = self.blocks[i]
-        return {"input_ids": x, "labels": x, "attention_mask": torch.ones_like(x)}
+        return {"input_ids": x, "labels": x}  # full blocks: no padding mask
 
 
 # ---------------------------------------------------------------- latent norm (un)folding
@@ -308,6 +309,8 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
     torch.manual_seed(cfg.seed)
     unfold_latent_norms(model)
     counts = select_trainable(model, cfg.mode)
+    attn = model.config._attn_implementation
+    use_causal_padded_sdpa(model)  # packed blocks have no padding: the fused causal kernel is exact and faster
     model.train()
     resume = last_checkpoint(work_dir)
     # A resumed run has its step-0 loss in the restored history.
@@ -315,11 +318,14 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
     trainer = Trainer(model=model, args=args, train_dataset=Blocks(train), eval_dataset=Blocks(val),
                       data_collator=default_data_collator, callbacks=callbacks or [])
     t0 = time.perf_counter()
-    out = trainer.train(resume_from_checkpoint=resume)
-    seconds = time.perf_counter() - t0
-    history = trainer.state.log_history
-    evals = [h for h in history if "eval_loss" in h]
-    final = trainer.evaluate() if not evals or evals[-1]["step"] != trainer.state.global_step else evals[-1]
+    try:
+        out = trainer.train(resume_from_checkpoint=resume)
+        seconds = time.perf_counter() - t0
+        history = trainer.state.log_history
+        evals = [h for h in history if "eval_loss" in h]
+        final = trainer.evaluate() if not evals or evals[-1]["step"] != trainer.state.global_step else evals[-1]
+    finally:
+        model.config._attn_implementation = attn
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
