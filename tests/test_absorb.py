@@ -1,0 +1,221 @@
+"""Absorbed MLA decoding (transmla.absorb) equals the stock DeepseekV3 forward, caches only the latent,
+and the throughput measurement (transmla.throughput) reports consistent sizes. Tiny models only; no
+test asserts a wall-clock time."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache
+
+from transmla.absorb import LatentCache, absorbed, disable_absorb, enable_absorb, is_absorbed
+from transmla.convert import ConvertOptions, convert
+from transmla.errors import TransMLAError
+from transmla.sources import load_model
+from transmla.throughput import decode_step, kv_bytes_per_token, measure, sweep
+
+CAL = dict(cal_nsamples=8, cal_seqlen=64, cal_batch_size=4)
+TOL = 1e-4
+
+
+ARCHS = ("llama", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_tokenizer, tmp_path_factory):
+    """arch -> (original model dir, converted DeepseekV3 model): tiny Llama / Qwen2 (q/k/v biases ->
+    attention_bias and the q_a/q_b bias carrier) converted at 50% KV, built once per module on demand."""
+    from conftest import _tiny_model
+
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            src = tmp_path_factory.mktemp(f"absorb-{arch}")
+            _tiny_model(arch, len(tiny_tokenizer)).save_pretrained(src / "orig")
+            tiny_tokenizer.save_pretrained(src / "orig")
+            convert(str(src / "orig"), src / "mla", ConvertOptions(kv_cache_ratio=0.5, **CAL), progress=False)
+            made[arch] = src / "orig", AutoModelForCausalLM.from_pretrained(src / "mla", dtype=torch.float32).eval()
+        return made[arch]
+
+    return get
+
+
+def _random_dsv3(**overrides):
+    torch.manual_seed(0)
+    cfg = dict(
+        vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=12, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=2, n_routed_experts=1, n_shared_experts=1,
+        num_experts_per_tok=1, n_group=1, topk_group=1, max_position_embeddings=256, pad_token_id=0,
+        bos_token_id=1, eos_token_id=1,
+    )
+    cfg.update(overrides)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # norms and biases away from their trivial init, so they matter
+                p.normal_(1.0 if "norm" in name else 0.0, 0.3)
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+RANDOM = {
+    # low-rank queries (q_a_proj -> q_a_layernorm -> q_b_proj) with biases everywhere DeepSeek allows them
+    "q_lora_bias": dict(q_lora_rank=24, attention_bias=True),
+    # rotate_half RoPE layout, rank above the head dims (unfolded absorb is cheaper), YaRN mscale in the softmax scale
+    "yarn_wide_rank": dict(
+        rope_interleave=False, kv_lora_rank=40,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+                             mscale_all_dim=1.0, mscale=1.0, beta_fast=32, beta_slow=1),
+    ),
+}
+
+
+@pytest.fixture(params=[*ARCHS, *RANDOM])
+def mla(request, tiny_pair):
+    if request.param in ARCHS:
+        return tiny_pair(request.param)[1]
+    return _random_dsv3(**RANDOM[request.param])
+
+
+def _ids(model, batch=2, n=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, model.config.vocab_size, (batch, n), generator=g)
+
+
+def _logprobs(model, ids, **kw):
+    with torch.no_grad():
+        return torch.log_softmax(model(ids, **kw).logits.float(), -1)
+
+
+def _incremental(model, ids, prompt, cache):
+    """Log-probs of a prefill of `prompt` tokens, then one token per step through `cache`."""
+    with torch.no_grad():
+        out = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits]
+        for t in range(prompt, ids.shape[1]):
+            out.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    return torch.log_softmax(torch.cat(out, 1).float(), -1)
+
+
+@pytest.mark.parametrize("fold", [None, True, False])
+def test_prefill_matches_stock(mla, fold):
+    ids = _ids(mla)
+    ref = _logprobs(mla, ids)
+    with absorbed(mla, fold=fold):
+        got = _logprobs(mla, ids)
+    assert (got - ref).abs().max() < TOL
+
+
+@pytest.mark.parametrize("fold", [None, True, False])
+def test_incremental_decode_matches_stock_and_caches_only_the_latent(mla, fold):
+    cfg = mla.config
+    r, R, L = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_hidden_layers
+    ids = _ids(mla, batch=3, n=20)
+    ref = _logprobs(mla, ids)
+    cache = LatentCache(cfg)
+    with absorbed(mla, fold=fold):
+        got = _incremental(mla, ids, 6, cache)
+        via_dynamic = _incremental(mla, ids, 6, DynamicCache(config=cfg))  # the default cache works too
+    assert (got - ref).abs().max() < TOL
+    assert (via_dynamic - ref).abs().max() < TOL
+    B, T = ids.shape
+    assert cache.get_seq_length() == T
+    assert cache.values_per_token_per_layer() == [r + R] * L
+    assert cache.values_per_token() == L * (r + R)
+    for layer in cache.layers:  # the actual tensors: [c_kv ; k_pe] and nothing else
+        assert layer.buffer.shape[0] == B and layer.buffer.shape[-1] == r + R
+        assert layer.keys.shape == (B, 1, T, r) and layer.values.shape == (B, 1, T, R)
+    assert cache.nbytes() == L * B * T * (r + R) * 4
+    assert cache.bytes_per_token() == L * (r + R) * 4 == kv_bytes_per_token(cfg, "absorb")
+
+
+def test_latent_cache_holds_what_the_stock_module_computes(mla):
+    """c_kv after kv_a_layernorm and k_pe after RoPE: the stock forward reading a LatentCache filled
+    by the absorbed forward gives the stock log-probs (and the stock forward can fill it too)."""
+    ids = _ids(mla, n=16)
+    ref = _logprobs(mla, ids)
+    cache = LatentCache(mla.config)
+    with absorbed(mla), torch.no_grad():
+        mla(ids[:, :10], past_key_values=cache, use_cache=True)
+    assert not is_absorbed(mla)
+    with torch.no_grad():
+        tail = torch.log_softmax(mla(ids[:, 10:], past_key_values=cache, use_cache=True).logits, -1)
+    assert (tail - ref[:, 10:]).abs().max() < TOL
+    stock_filled = _incremental(mla, ids, 5, LatentCache(mla.config))
+    assert (stock_filled - ref).abs().max() < TOL
+
+
+def test_greedy_generate_identical(mla):
+    ids = _ids(mla, batch=2, n=8)
+    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    with torch.no_grad():
+        ref = mla.generate(ids, **kw)
+        with absorbed(mla):
+            latent = mla.generate(ids, past_key_values=LatentCache(mla.config, max_cache_len=32), **kw)
+            default = mla.generate(ids, **kw)
+    assert torch.equal(latent, ref) and torch.equal(default, ref)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_left_padding(impl):
+    """Unequal prompts, left-padded: the absorbed path reads the same padding mask (bool or additive)."""
+    model = _random_dsv3(**RANDOM["q_lora_bias"])
+    model.set_attn_implementation(impl)
+    ids = _ids(model, batch=3, n=10)
+    mask = torch.ones_like(ids)
+    ids[0, :4], mask[0, :4] = 0, 0
+    ids[1, :2], mask[1, :2] = 0, 0
+    kw = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+              output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        with absorbed(model):
+            got = model.generate(ids, past_key_values=LatentCache(model.config), **kw)
+    assert torch.equal(got.sequences, ref.sequences)
+    diff = max((a.log_softmax(-1) - b.log_softmax(-1)).abs().max().item() for a, b in zip(got.logits, ref.logits))
+    assert diff < TOL
+
+
+def test_enable_disable_round_trip(mla):
+    keys = set(mla.state_dict())
+    enable_absorb(mla)
+    assert is_absorbed(mla) and set(mla.state_dict()) == keys  # absorbed matrices are non-persistent
+    disable_absorb(mla)
+    assert not is_absorbed(mla)
+    assert not any(n.split(".")[-1].startswith("absorb_") for n, _ in mla.named_buffers())
+
+
+def test_absorb_needs_mla(tiny_pair):
+    model, _ = load_model(str(tiny_pair("llama")[0]))
+    with pytest.raises(TransMLAError, match="no DeepseekV3Attention"):
+        enable_absorb(model)
+    with pytest.raises(TransMLAError, match="MLA"):
+        measure(model, "absorb", context=8, batch=1, warmup=False)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_throughput_measure(tiny_pair, arch):
+    orig_dir, converted = tiny_pair(arch)
+    cfg = converted.config
+    r, R, L = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_hidden_layers
+    rows = sweep(converted, ("hf", "absorb"), (16,), (2,), progress=False, threads=1, seed=1)
+    assert [row["backend"] for row in rows] == ["hf", "absorb"]
+    for row in rows:
+        assert row["tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0 and row["time_per_output_token_ms"] > 0
+        assert row["prefill_s"] > 0 and row["peak_rss_gib"] > 0
+        assert (row["input_len"], row["output_len"], row["batch"], row["threads"]) == (8, 8, 2, 1)
+        # the config formula equals the bytes of the cache generate actually returned
+        assert row["kv_bytes_per_token"] == row["kv_bytes_per_token_measured"]
+    absorb = rows[1]
+    assert absorb["kv_bytes_per_token"] == L * (r + R) * 4
+    orig_model, _ = load_model(str(orig_dir))
+    orig = measure(orig_model, "hf", context=16, batch=2, threads=1)
+    spec = orig_model.config
+    assert orig["kv_bytes_per_token"] == orig["kv_bytes_per_token_measured"] == 2 * L * spec.num_key_value_heads * spec.head_dim * 4
+    assert absorb["original_kv_bytes_per_token"] == orig["kv_bytes_per_token"]  # from the export's transmla metadata
+    ratio = absorb["kv_capacity_tokens"] / orig["kv_capacity_tokens"]
+    assert absorb["kv_capacity_ratio_vs_original"] == pytest.approx(ratio) and ratio == pytest.approx(2.0, rel=1e-3)
+    # the cheap long-context variant: one prefilled sequence replicated to the batch
+    step = decode_step(converted, "absorb", context=12, batch=3, steps=3, threads=1)
+    assert step["time_per_output_token_ms"] > 0 and step["cache_length_end"] == 12 + 2 + 3
+    assert step["kv_bytes_per_token"] == step["kv_bytes_per_token_measured"] == L * (r + R) * 4

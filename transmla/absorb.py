@@ -1,0 +1,439 @@
+"""Absorbed MLA decoding for exported DeepSeek-V3 checkpoints (the paper's "Absorb" operation).
+
+Stock transformers `DeepseekV3Attention` re-expands the latent through `kv_b_proj` into per-head keys
+and values for every cached token at every step (transformers 5.23 caches the latent but repeats this
+O(T) up-projection every step; earlier versions cached the expanded heads; `throughput.hf_mla_cache_layout()`
+probes the installed one). The
+absorbed form never materialises per-head keys or values. Per head i (shapes for h heads, NoPE dim
+dn, value dim dv, RoPE dim R, latent rank r):
+
+    k_i = [W_UK_i c ; k_pe]   W_UK_i = kv_b_proj rows of head i's key    [dn, r]
+    v_i = W_UV_i c            W_UV_i = kv_b_proj rows of head i's value  [dv, r]
+
+    score_i(t) = q_nope_i . W_UK_i c_t + q_rope_i . k_pe_t = [W_UK_i^T q_nope_i ; q_rope_i] . [c_t ; k_pe_t]
+    out_i      = sum_t p_t W_UV_i c_t = W_UV_i (sum_t p_t c_t)
+
+so attention runs MQA-like over one shared (r + R)-dim "key" [c_t ; k_pe_t] per token, the same
+vector serves as the value (its first r coordinates), W_UK is folded into the query projection and
+W_UV into `o_proj`. The cache holds exactly r + R values per token per layer: c after
+`kv_a_layernorm`, k_pe after RoPE.
+
+Usage (in place; `disable_absorb` restores the stock forward):
+
+    model = AutoModelForCausalLM.from_pretrained(dir)       # DeepseekV3ForCausalLM
+    enable_absorb(model)
+    out = model.generate(ids, max_new_tokens=64, past_key_values=LatentCache(model.config))
+
+Built on transformers' extension points: an instance-level forward on each `DeepseekV3Attention`
+that reads that module's own weights (plus absorbed matrices precomputed once and kept as
+non-persistent buffers, so `state_dict`/`save_pretrained` are unchanged), and a `Cache` subclass.
+The absorbed matrices are a snapshot: call `enable_absorb` again after changing the weights.
+Supported masks: those of the `sdpa` and `eager` attention implementations (None, bool or additive
+float [B, 1, S, T]); left padding works through them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .errors import TransMLAError
+
+_BUFFERS = ("absorb_q_weight", "absorb_w_uk", "absorb_o_weight", "absorb_w_uv")
+
+
+# --------------------------------------------------------------------------------------------------
+# Cache
+# --------------------------------------------------------------------------------------------------
+
+
+class LatentLayer(CacheLayerMixin):
+    """One layer's latent cache: a buffer [batch, capacity, r + R] holding [c_kv ; k_pe] per token.
+
+    The first `length` positions are valid. The buffer is preallocated (`max_cache_len`, when known) or
+    grows geometrically, so an append writes S rows in place instead of re-concatenating the whole
+    cache every step as `DynamicLayer` does. `keys`/`values` are views [batch, 1, length, r] and
+    [batch, 1, length, R] so generic transformers code (and the stock forward) sees the usual layout.
+    """
+
+    is_sliding = False
+    is_croppable = True
+    is_compileable = False
+
+    def __init__(self, max_cache_len: int | None = None, **kwargs):
+        super().__init__()
+        self.max_cache_len = max_cache_len
+        self.buffer: torch.Tensor | None = None  # [B, capacity, r + R]
+        self.length = 0
+        self.rank = 0  # r: the first r coordinates are c_kv, the rest k_pe
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """key_states [B, 1, S, r] (c_kv), value_states [B, 1, S, R] (k_pe): only shapes/dtype are read."""
+        self._allocate(key_states.shape[0], key_states.shape[-1], value_states.shape[-1], key_states.dtype, key_states.device, 0)
+
+    def _allocate(self, batch: int, r: int, R: int, dtype, device, need: int) -> None:
+        cap = max(need, self.max_cache_len or 0, 1)
+        self.buffer = torch.empty(batch, cap, r + R, dtype=dtype, device=device)
+        self.rank, self.length = r, 0
+        self.dtype, self.device = dtype, device
+        self.is_initialized = True
+        self._sync_views()
+
+    def _reserve(self, need: int) -> None:
+        """Room for `need` tokens; grows by >= 1.5x (amortised O(1) per token) beyond the preallocation."""
+        cap = self.buffer.shape[1]
+        if need <= cap:
+            return
+        new = torch.empty(self.buffer.shape[0], max(need, cap + cap // 2, 64), self.buffer.shape[2],
+                          dtype=self.buffer.dtype, device=self.buffer.device)
+        new[:, : self.length] = self.buffer[:, : self.length]
+        self.buffer = new
+
+    def _sync_views(self) -> None:
+        valid = self.buffer[:, None, : self.length]  # [B, 1, T, r + R]
+        self.keys, self.values = valid[..., : self.rank], valid[..., self.rank :]
+
+    def _ready(self, batch: int, r: int, R: int, dtype, device, S: int) -> None:
+        # (Re)allocate when empty: first use, or reuse after reset() with another batch size.
+        if not self.is_initialized or (self.length == 0 and tuple(self.buffer.shape[::2]) != (batch, r + R)):
+            self._allocate(batch, r, R, dtype, device, S)
+
+    def append(self, latent: torch.Tensor, rank: int) -> torch.Tensor:
+        """latent [B, S, r + R] with r = rank -> all cached [B, T, r + R] (a view; T = previous length + S)."""
+        B, S, E = latent.shape
+        self._ready(B, rank, E - rank, latent.dtype, latent.device, S)
+        self._reserve(self.length + S)
+        self.buffer[:, self.length : self.length + S] = latent
+        self.length += S
+        self._sync_views()
+        return self.buffer[:, : self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stock (non-absorbed) forward's call: key_states = c_kv [B, 1, S, r], value_states = k_pe
+        [B, 1, S, R] -> all cached (c_kv [B, 1, T, r], k_pe [B, 1, T, R]) as views."""
+        S = key_states.shape[-2]
+        self._ready(key_states.shape[0], key_states.shape[-1], value_states.shape[-1], key_states.dtype, key_states.device, S)
+        self._reserve(self.length + S)
+        self.buffer[:, self.length : self.length + S, : self.rank] = key_states[:, 0]
+        self.buffer[:, self.length : self.length + S, self.rank :] = value_states[:, 0]
+        self.length += S
+        self._sync_views()
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1  # grows without bound; max_cache_len is only the preallocation
+
+    def reset(self) -> None:
+        self.length = 0
+        if self.is_initialized:
+            self._sync_views()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove (transformers convention).")
+        if tokens_to_remove and self.is_initialized:
+            self.length = max(0, self.length + tokens_to_remove)
+            self._sync_views()
+
+    def _reindex(self, fn) -> None:
+        if self.is_initialized:
+            self.buffer = fn(self.buffer[:, : self.length]).contiguous()
+            self._sync_views()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._reindex(lambda b: b.index_select(0, beam_idx.to(b.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._reindex(lambda b: b.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._reindex(lambda b: b[indices])
+
+    def offload(self):
+        if self.is_initialized:
+            self.buffer = self.buffer.to("cpu", non_blocking=True)
+            self._sync_views()
+
+    def prefetch(self):
+        if self.is_initialized and self.buffer.device != self.device:
+            self.buffer = self.buffer.to(self.device, non_blocking=True)
+            self._sync_views()
+
+    # accounting
+    def nbytes(self) -> int:
+        """Bytes of the valid tokens: B * length * (r + R) * itemsize."""
+        if not self.is_initialized:
+            return 0
+        return self.buffer.shape[0] * self.length * self.buffer.shape[2] * self.buffer.element_size()
+
+    def allocated_nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
+
+
+class LatentCache(Cache):
+    """A transformers `Cache` holding only the MLA latent [c_kv ; k_pe] per token and layer.
+
+    Args:
+        config (`DeepseekV3Config`, *optional*): creates one layer per `num_hidden_layers` up front;
+            without it layers are created on first use.
+        max_cache_len (`int`, *optional*): tokens to preallocate per layer (e.g. prompt + new tokens);
+            the cache still grows past it.
+
+    Works with the absorbed forward (`enable_absorb`, one write of [B, S, r + R] per layer) and with
+    the stock DeepseekV3 forward (which calls `update(c_kv, k_pe)`), in `model(...)` and `generate`.
+    """
+
+    def __init__(self, config=None, max_cache_len: int | None = None):
+        layer = functools.partial(LatentLayer, max_cache_len=max_cache_len)
+        if config is not None:
+            n = config.get_text_config(decoder=True).num_hidden_layers
+            super().__init__(layers=[layer() for _ in range(n)])
+        else:
+            super().__init__(layer_class_to_replicate=layer)
+        self.max_cache_len = max_cache_len
+
+    def update_latent(self, latent: torch.Tensor, layer_idx: int, rank: int) -> torch.Tensor:
+        """Append latent [B, S, r + R] (r = rank) to layer `layer_idx`; returns all cached [B, T, r + R]."""
+        while len(self.layers) <= layer_idx:
+            self.layers.append(self.layer_class_to_replicate())
+        return self.layers[layer_idx].append(latent, rank)
+
+    def values_per_token_per_layer(self) -> list[int]:
+        """Values stored per token in each initialised layer, read from the tensors (r + R each)."""
+        return [layer.buffer.shape[-1] for layer in self.layers if layer.is_initialized]
+
+    def values_per_token(self) -> int:
+        """Values stored per token over all layers: n_layers * (kv_lora_rank + qk_rope_head_dim)."""
+        return sum(self.values_per_token_per_layer())
+
+    def nbytes(self) -> int:
+        """Bytes of the cached tokens (all layers, all sequences); excludes preallocated slack."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def allocated_nbytes(self) -> int:
+        return sum(layer.allocated_nbytes() for layer in self.layers)
+
+    def bytes_per_token(self) -> float:
+        """Bytes per cached token of one sequence (all layers)."""
+        first = next((layer for layer in self.layers if layer.is_initialized and layer.length), None)
+        if first is None:
+            return 0.0
+        return self.nbytes() / (first.buffer.shape[0] * first.length)
+
+
+# --------------------------------------------------------------------------------------------------
+# Absorbed attention
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_deepseek(model) -> list[nn.Module]:
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    mods = [m for m in model.modules() if isinstance(m, DeepseekV3Attention)]
+    if not mods:
+        raise TransMLAError(
+            f"{type(model).__name__} has no DeepseekV3Attention layers: Absorb needs an MLA (DeepSeek-V3) model.",
+            "convert the model first (transmla convert) or use the 'hf' backend.",
+        )
+    return mods
+
+
+@torch.no_grad()
+def _precompute(attn: nn.Module, fold: bool | None) -> None:
+    """Absorbed matrices of one DeepseekV3Attention, computed in float64 and stored in the weights' dtype.
+
+    absorb_q_weight [h (r + R), D_q]  per head [W_UK_i^T W_Qnope_i ; W_Qrope_i]   (folded query)
+    absorb_w_uk     [h, dn, r]        W_UK per head                               (unfolded query)
+    absorb_o_weight [D, h r]          per head block W_O,i W_UV_i                 (folded output)
+    absorb_w_uv     [h, r, dv]        W_UV_i^T per head                           (unfolded output)
+
+    Folding is a trade: it removes a per-head matmul but the folded matrix is larger when r > dn (or
+    r > dv); fold=None picks the cheaper form per token by multiply-adds.
+    """
+    h, dn, dv, R, r = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim, attn.qk_rope_head_dim, attn.kv_lora_rank
+    dtype = attn.kv_b_proj.weight.dtype
+    kv_b = attn.kv_b_proj.weight.double().view(h, dn + dv, r)
+    w_uk, w_uv = kv_b[:, :dn], kv_b[:, dn:]  # [h, dn, r], [h, dv, r]
+    q_lin = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj  # no bias in DeepSeek-V3
+    Dq = q_lin.in_features
+    D = attn.o_proj.out_features
+    fold_q = fold if fold is not None else h * (r + R) * Dq <= h * (dn + R) * Dq + h * dn * r
+    fold_o = fold if fold is not None else D * h * r <= h * r * dv + D * h * dv
+    for name in _BUFFERS:
+        attn._buffers.pop(name, None)
+    if fold_q:
+        wq = q_lin.weight.double().view(h, dn + R, Dq)
+        q_lat = torch.einsum("hdr,hdi->hri", w_uk, wq[:, :dn])  # [h, r, Dq]
+        attn.register_buffer("absorb_q_weight", torch.cat([q_lat, wq[:, dn:]], 1).reshape(h * (r + R), Dq).to(dtype), persistent=False)
+    else:
+        attn.register_buffer("absorb_w_uk", w_uk.to(dtype).contiguous(), persistent=False)
+    if fold_o:
+        wo = attn.o_proj.weight.double().view(D, h, dv)
+        attn.register_buffer("absorb_o_weight", torch.einsum("ohv,hvr->ohr", wo, w_uv).reshape(D, h * r).to(dtype), persistent=False)
+    else:
+        attn.register_buffer("absorb_w_uv", w_uv.transpose(1, 2).to(dtype).contiguous(), persistent=False)
+
+
+def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, scaling: float, rank: int) -> torch.Tensor:
+    """Softmax attention of all heads over one shared latent key; the value is the key's first `rank` dims.
+
+    Args:
+        query (`torch.Tensor` of shape `[B, h, S, r + R]`): absorbed queries [W_UK^T q_nope ; q_rope].
+        latent (`torch.Tensor` of shape `[B, T, r + R]`): cached [c_kv ; k_pe], queries are its last S tokens.
+        attention_mask: None (causal, bottom-right aligned), bool `[B, 1, S, T]` (True = attend) or
+            additive float `[B, 1, S, T]`, as transformers' sdpa / eager mask functions build them.
+        scaling (`float`): the module's softmax scale.
+        rank (`int`): r.
+    Returns:
+        `torch.Tensor` of shape `[B, h, S, r]`: sum_t p_t c_t per head.
+    """
+    B, h, S, E = query.shape
+    T = latent.shape[1]
+    key = latent.unsqueeze(1)  # [B, 1, T, E]
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+            raise TransMLAError(
+                f"Absorb got an attention mask of type {type(attention_mask).__name__}: only sdpa/eager 4D masks are supported.",
+                "load the model with attn_implementation='sdpa' (the default) or 'eager'.",
+            )
+        attention_mask = attention_mask[..., -T:] if attention_mask.shape[-1] != T else attention_mask
+    # The value is the key itself (its first r dims are c): equal q/k/v widths keep SDPA on its fused
+    # kernel on CPU (a narrower value falls back to the slow math kernel); the extra R columns of
+    # output are dropped.
+    if S == 1:
+        # Decode: fold the heads into the query-length axis of a single KV head (MQA). One [h, E] x
+        # [E, T] product per sequence reads the cache once; a [B, 1, 1, T] mask broadcasts over heads.
+        out = F.scaled_dot_product_attention(query.view(B, 1, h, E), key, key, attn_mask=attention_mask, scale=scaling)
+        return out[..., :rank].view(B, h, 1, rank)
+    # Prefill / multi-token: heads stay heads; the single latent head is broadcast (stride 0, no copy).
+    key = key.expand(B, h, T, E)
+    is_causal = False
+    if attention_mask is None:
+        if T == S:
+            is_causal = True
+        else:  # bottom-right causal: query s sits at position T - S + s
+            pos = torch.arange(S, device=query.device)[:, None] + (T - S)
+            attention_mask = (pos >= torch.arange(T, device=query.device)[None, :])[None, None]
+    out = F.scaled_dot_product_attention(query, key, key, attn_mask=attention_mask, is_causal=is_causal, scale=scaling)
+    return out[..., :rank]
+
+
+def absorbed_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    past_key_values=None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Drop-in forward for a `DeepseekV3Attention` module (bound as an instance method).
+
+    Args:
+        hidden_states (`torch.Tensor` of shape `[B, S, D]`)
+        position_embeddings (`tuple(torch.Tensor)`): (cos, sin) `[B, S, R]` from the model's rotary embedding.
+        attention_mask: the model's causal mask (see `latent_attention`).
+        past_key_values (`Cache`, *optional*): a `LatentCache` (one write per layer), or any cache with the
+            stock DeepseekV3 latent layout (`update(c_kv [B, 1, S, r], k_pe [B, 1, S, R])`).
+    Returns:
+        (`torch.Tensor` of shape `[B, S, D]`, None) - attention weights are never materialised.
+    """
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb, apply_rotary_pos_emb_interleave
+
+    B, S, _ = hidden_states.shape
+    h, r, R, dn = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim
+
+    # Queries, absorbed: [W_UK^T q_nope ; q_rope] per head.
+    x_q = hidden_states if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(hidden_states))
+    if "absorb_q_weight" in self._buffers:
+        q = F.linear(x_q, self.absorb_q_weight).view(B, S, h, r + R).transpose(1, 2)  # [B, h, S, r + R]
+        q_lat, q_rot = q.split([r, R], dim=-1)
+    else:
+        q_lin = self.q_proj if self.q_lora_rank is None else self.q_b_proj
+        q = q_lin(x_q).view(B, S, h, dn + R).transpose(1, 2)  # [B, h, S, dn + R]
+        q_nope, q_rot = q.split([dn, R], dim=-1)
+        q_lat = torch.matmul(q_nope, self.absorb_w_uk)  # [B, h, S, dn] x [h, dn, r] -> [B, h, S, r]
+
+    # The latent exactly as the stock module builds it: c after kv_a_layernorm, k_pe after RoPE.
+    compressed = self.kv_a_proj_with_mqa(hidden_states)  # [B, S, r + R]
+    c_kv, k_rot = compressed.split([r, R], dim=-1)
+    c_kv = self.kv_a_layernorm(c_kv)
+    cos, sin = position_embeddings
+    rope = apply_rotary_pos_emb_interleave if self.config.rope_interleave else apply_rotary_pos_emb
+    q_rot, k_rot = rope(q_rot, k_rot.view(B, 1, S, R), cos, sin)
+    latent = torch.cat([c_kv, k_rot.view(B, S, R)], dim=-1)  # [B, S, r + R]
+
+    if isinstance(past_key_values, LatentCache):
+        latent = past_key_values.update_latent(latent, self.layer_idx, r)  # [B, T, r + R]
+    elif past_key_values is not None:  # e.g. a DynamicCache: stock layout, joined here
+        c_all, k_all = past_key_values.update(c_kv.view(B, 1, S, r), k_rot, self.layer_idx)
+        latent = torch.cat([c_all[:, 0], k_all[:, 0]], dim=-1)
+
+    query = torch.cat([q_lat, q_rot], dim=-1)  # [B, h, S, r + R]
+    out = latent_attention(query, latent, attention_mask, self.scaling, r)  # [B, h, S, r]
+
+    # Values, absorbed: W_UV folded into o_proj (or applied per head on the r-dim result).
+    if "absorb_o_weight" in self._buffers:
+        out = F.linear(out.transpose(1, 2).reshape(B, S, h * r), self.absorb_o_weight, self.o_proj.bias)
+    else:
+        out = torch.matmul(out, self.absorb_w_uv)  # [B, h, S, r] x [h, r, dv] -> [B, h, S, dv]
+        out = self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+    return out, None
+
+
+def enable_absorb(model, fold: bool | None = None):
+    """Switch every DeepseekV3Attention of `model` to the absorbed forward, in place; returns `model`.
+
+    Args:
+        model: a `DeepseekV3ForCausalLM` (or anything containing `DeepseekV3Attention` modules).
+        fold (`bool`, *optional*): fold W_UK into the query projection and W_UV into o_proj (True),
+            apply them per head (False), or choose per layer by multiply-add count (None, default).
+    Calling it again recomputes the absorbed matrices (after a weight change). The default cache of
+    `model(...)`/`generate` (DynamicCache) keeps working; pass `LatentCache(model.config)` for the
+    in-place latent cache. Raises `TransMLAError` for models without MLA layers.
+    """
+    for attn in _check_deepseek(model):
+        _precompute(attn, fold)
+        attn.forward = types.MethodType(absorbed_forward, attn)
+    return model
+
+
+def disable_absorb(model):
+    """Restore the stock forward and drop the absorbed matrices; returns `model`."""
+    for attn in _check_deepseek(model):
+        attn.__dict__.pop("forward", None)
+        for name in _BUFFERS:
+            attn._buffers.pop(name, None)
+    return model
+
+
+def is_absorbed(model) -> bool:
+    return any("forward" in m.__dict__ and getattr(m.forward, "__func__", None) is absorbed_forward for m in model.modules())
+
+
+@contextlib.contextmanager
+def absorbed(model, enabled: bool = True, fold: bool | None = None):
+    """Context manager: the model absorbed (enabled=True) or stock (False) inside, as before after."""
+    was = is_absorbed(model)
+    if enabled and not was:
+        enable_absorb(model, fold)
+    elif not enabled and was:
+        disable_absorb(model)
+    try:
+        yield model
+    finally:
+        if was and not enabled:
+            enable_absorb(model, fold)
+        elif enabled and not was:
+            disable_absorb(model)

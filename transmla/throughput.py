@@ -1,0 +1,417 @@
+"""Decode-throughput measurement (paper Appendix F): original GQA vs converted MLA, stock vs Absorb.
+
+Setup as in the paper: a batch of B requests, input length = output length = context / 2 tokens,
+greedy, no EOS stopping (min_new_tokens = max_new_tokens), random prompt tokens (seeded). Backends:
+
+    hf       `model.generate` with the model's own default cache (DynamicCache): the original Llama/Qwen2
+             and the converted DeepseekV3 as stock transformers runs them
+    absorb   the same `generate` loop on a DeepseekV3 model with `transmla.absorb` enabled and a
+             preallocated `LatentCache` (kv_lora_rank + qk_rope_head_dim values per token and layer)
+
+Pure functions: no files, no orchestration; results are flat dicts. Wall-clock numbers depend on the
+machine and its load; nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import resource
+import sys
+import time
+
+import torch
+
+from .errors import TransMLAError
+
+BACKENDS = ("hf", "absorb")
+GIB = 2**30
+
+
+# --------------------------------------------------------------------------------------------------
+# KV-cache size (from the config)
+# --------------------------------------------------------------------------------------------------
+
+
+def is_mla(config) -> bool:
+    return getattr(config, "model_type", None) in ("deepseek_v3", "deepseek_v2") and hasattr(config, "kv_lora_rank")
+
+
+@functools.lru_cache(maxsize=1)
+def hf_mla_cache_layout() -> str:
+    """What stock transformers' DeepseekV3 caches: "latent" ([c_kv ; k_pe], transformers >= 5.x) or
+    "expanded" (per-head keys and values, older versions). Probed once on a 1-layer random model,
+    so the formula follows the installed version instead of guessing it."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache
+
+    cfg = DeepseekV3Config(
+        vocab_size=8, hidden_size=16, intermediate_size=16, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=6, q_lora_rank=None, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1, n_routed_experts=1, n_shared_experts=1,
+        num_experts_per_tok=1, n_group=1, topk_group=1,
+    )
+    with torch.random.fork_rng():  # random init must not move the caller's RNG
+        model = DeepseekV3ForCausalLM(cfg).eval()
+    cache = DynamicCache(config=cfg)
+    with torch.no_grad():
+        model(torch.zeros(1, 2, dtype=torch.long), past_key_values=cache, use_cache=True)
+    width = cache.layers[0].keys.shape[-1]
+    return "latent" if width == cfg.kv_lora_rank else "expanded"
+
+
+def kv_bytes_per_token(config, backend: str = "hf", dtype: torch.dtype = torch.float32) -> int:
+    """KV-cache bytes per token of one sequence, all layers, as `backend` stores it.
+
+    GQA (original):         2 * layers * kv_heads * head_dim * bytes
+    DeepseekV3, hf:         layers * (kv_lora_rank + qk_rope_head_dim) * bytes if the installed transformers
+                            caches the latent, else layers * heads * (qk_nope + qk_rope + v) * bytes
+    DeepseekV3, absorb:     layers * (kv_lora_rank + qk_rope_head_dim) * bytes
+    """
+    _check_backend(backend)
+    b = torch.empty((), dtype=dtype).element_size()
+    L = config.num_hidden_layers
+    if not is_mla(config):
+        if backend == "absorb":
+            raise TransMLAError(f"The absorb backend needs an MLA model, not {config.model_type!r}.", "use backend 'hf'.")
+        d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 2 * L * config.num_key_value_heads * d * b
+    latent = L * (config.kv_lora_rank + config.qk_rope_head_dim) * b
+    if backend == "absorb" or hf_mla_cache_layout() == "latent":
+        return latent
+    h = config.num_attention_heads
+    return L * h * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim) * b
+
+
+def original_kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int | None:
+    """The source model's KV bytes per token: the config itself for a GQA model; for a TransMLA export,
+    from the `transmla` section of its config (2 g d values per layer). None if unknown."""
+    if not is_mla(config):
+        return kv_bytes_per_token(config, "hf", dtype)
+    meta = getattr(config, "transmla", None) or {}
+    per_layer = (meta.get("kv_cache_values_per_token_per_layer") or {}).get("original")
+    if per_layer is None:
+        return None
+    return int(per_layer) * config.num_hidden_layers * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_capacity_tokens(bytes_per_token: float, cache_memory_bytes: int = GIB) -> int:
+    """Tokens whose KV cache fits in `cache_memory_bytes` (1 GiB by default)."""
+    return int(cache_memory_bytes // bytes_per_token) if bytes_per_token > 0 else 0
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes of the cached tokens in a transformers Cache (LatentCache: valid tokens only, no slack)."""
+    if hasattr(cache, "nbytes"):
+        return int(cache.nbytes())
+    total = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------------------
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        m = re.search(rf"^{field}:\s+(\d+) kB", open("/proc/self/status").read(), re.M)
+    except OSError:
+        return None
+    return int(m.group(1)) if m else None
+
+
+def reset_peak_rss() -> str:
+    """Reset the process's peak RSS (Linux: `echo 5 > /proc/self/clear_refs` resets VmHWM) so the next
+    reading is the peak of one run. Returns how peaks are measured."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return "VmHWM after reset (per-run peak RSS of the whole process, incl. model weights)"
+    except OSError:
+        return "ru_maxrss (process-lifetime peak RSS: monotone across runs)"
+
+
+def peak_rss_bytes() -> int:
+    hwm = _status_kib("VmHWM")
+    if hwm is not None:
+        return hwm * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def rss_bytes() -> int | None:
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib * 1024
+
+
+# --------------------------------------------------------------------------------------------------
+# Measurement
+# --------------------------------------------------------------------------------------------------
+
+
+class _Clock:
+    """A generate streamer that only timestamps: put() #0 is the prompt, #k the k-th new token."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise TransMLAError(f"Unknown throughput backend {backend!r}.", f"use one of {BACKENDS}.")
+
+
+def default_threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def random_prompts(vocab_size: int, batch: int, length: int, seed: int = 0, tokenizer=None) -> torch.Tensor:
+    """[batch, length] uniform random token ids (special tokens of `tokenizer` excluded), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    if tokenizer is None:
+        return torch.randint(0, vocab_size, (batch, length), generator=g)
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    allowed = torch.tensor([i for i in range(vocab_size) if i not in special])
+    return allowed[torch.randint(0, len(allowed), (batch, length), generator=g)]
+
+
+def _generate(model, backend: str, ids: torch.Tensor, new_tokens: int, streamer=None):
+    from .absorb import LatentCache
+
+    kw = {}
+    if backend == "absorb":
+        kw["past_key_values"] = LatentCache(model.config, max_cache_len=ids.shape[1] + new_tokens)
+    gc = model.generation_config
+    pad = gc.pad_token_id if gc.pad_token_id is not None else (gc.eos_token_id if isinstance(gc.eos_token_id, int) else 0)
+    return model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,  # no EOS stopping: every request produces exactly new_tokens
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=pad,
+        streamer=streamer,
+        return_dict_in_generate=True,
+        **kw,
+    )
+
+
+def measure(
+    model,
+    backend: str = "hf",
+    context: int = 1024,
+    batch: int = 8,
+    *,
+    tokenizer=None,
+    vocab_size: int | None = None,
+    prompt_ids: torch.Tensor | None = None,
+    threads: int | None = None,
+    warmup: bool = True,
+    seed: int = 0,
+    cache_memory_bytes: int = GIB,
+    output_len: int | None = None,
+) -> dict:
+    """One throughput measurement: `batch` requests of context/2 prompt tokens + context/2 generated.
+
+    Args:
+        model: a causal LM (original GQA model or converted `DeepseekV3ForCausalLM`), eval mode.
+        backend (`str`): "hf" (stock generate, default cache) or "absorb" (DeepseekV3 only).
+        context (`int`): prompt + output length per request; input = context // 2, output = the rest.
+        output_len (`int`, *optional*): override the output length (input = context - output_len), e.g.
+            a short decode window at the end of a long context when a full run would take too long.
+        batch (`int`): requests decoded together.
+        tokenizer / vocab_size: where random prompt tokens come from (default config.vocab_size);
+            `prompt_ids` `[batch, input_len]` fixes them instead.
+        threads (`int`, *optional*): torch intra-op threads (default: all cores of this process);
+            restored afterwards.
+        warmup (`bool`): a short untimed generate first (same batch, 32-token prompt, 4 tokens).
+        cache_memory_bytes (`int`): memory budget for the KV-capacity columns (1 GiB).
+
+    Returns a dict: output tokens/s over prefill + decode (B * output_len / total wall time, as vLLM's
+    throughput benchmark counts output tokens), decode-only tokens/s and time per output token
+    (steps after the first token), prefill seconds (to the first generated token), peak RSS (see
+    `rss_method`), KV bytes per token from the config formula and from the returned cache's tensors,
+    and KV capacity in `cache_memory_bytes` with its ratio to the original model's.
+    """
+    from .absorb import absorbed
+
+    _check_backend(backend)
+    config = model.config
+    if backend == "absorb" and not is_mla(config):
+        raise TransMLAError(f"The absorb backend needs an MLA (DeepseekV3) model, got {config.model_type!r}.",
+                            "measure the original with backend 'hf'.")
+    out_len = context - context // 2 if output_len is None else output_len
+    in_len = context - out_len
+    if in_len < 1 or out_len < 1:
+        raise TransMLAError(f"context={context} is too short.", "use a context of at least 2 tokens.")
+    vocab = vocab_size or config.vocab_size
+    ids = prompt_ids if prompt_ids is not None else random_prompts(vocab, batch, in_len, seed, tokenizer)
+    if ids.shape != (batch, in_len):
+        raise TransMLAError(f"prompt_ids has shape {tuple(ids.shape)}, expected {(batch, in_len)}.", "pass [batch, input_len] ids.")
+    ids = ids.to(model.device)
+    dtype = next(model.parameters()).dtype
+    threads = threads or default_threads()
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with absorbed(model, enabled=backend == "absorb") if is_mla(config) else contextlib.nullcontext(), torch.inference_mode():
+            if warmup:
+                _generate(model, backend, ids[:, : min(in_len, 32)], min(out_len, 4))
+            rss_method = reset_peak_rss()
+            rss0 = rss_bytes()
+            clock = _Clock()
+            t0 = time.perf_counter()
+            out = _generate(model, backend, ids, out_len, streamer=clock)
+            t_end = time.perf_counter()
+            peak = peak_rss_bytes()
+            cache = out.past_key_values
+            cached_tokens = cache.get_seq_length()
+            kv_measured = cache_nbytes(cache)
+            del out, cache
+    finally:
+        torch.set_num_threads(old_threads)
+
+    t_first = clock.times[1] if len(clock.times) > 1 else t_end
+    total = t_end - t0
+    decode = t_end - t_first
+    kv_formula = kv_bytes_per_token(config, backend, dtype)
+    kv_orig = original_kv_bytes_per_token(config, dtype)
+    capacity = kv_capacity_tokens(kv_formula, cache_memory_bytes)
+    orig_capacity = kv_capacity_tokens(kv_orig, cache_memory_bytes) if kv_orig else None
+    return {
+        "backend": backend,
+        "model_type": config.model_type,
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": threads,
+        "context": context,
+        "batch": batch,
+        "input_len": in_len,
+        "output_len": out_len,
+        "tokens_per_s": batch * out_len / total,
+        "decode_tokens_per_s": batch * (out_len - 1) / decode if out_len > 1 and decode > 0 else None,
+        "time_per_output_token_ms": 1e3 * decode / (out_len - 1) if out_len > 1 else None,
+        "prefill_s": t_first - t0,
+        "decode_s": decode,
+        "total_s": total,
+        "peak_rss_gib": peak / GIB,
+        "rss_before_gib": None if rss0 is None else rss0 / GIB,
+        "rss_method": rss_method,
+        "hf_mla_cache_layout": hf_mla_cache_layout() if is_mla(config) and backend == "hf" else None,
+        "kv_bytes_per_token": kv_formula,
+        "kv_bytes_per_token_measured": kv_measured / (batch * cached_tokens) if cached_tokens else None,
+        "kv_cache_bytes_measured": kv_measured,
+        "kv_cache_memory_bytes": cache_memory_bytes,
+        "kv_capacity_tokens": capacity,
+        "original_kv_bytes_per_token": kv_orig,
+        "kv_capacity_ratio_vs_original": capacity / orig_capacity if orig_capacity else None,
+    }
+
+
+def decode_step(
+    model,
+    backend: str = "hf",
+    context: int = 1024,
+    batch: int = 8,
+    *,
+    steps: int = 16,
+    warmup_steps: int = 2,
+    threads: int | None = None,
+    vocab_size: int | None = None,
+    seed: int = 0,
+) -> dict:
+    """Time per output token at a given context, without a full run: prefill ONE random sequence of
+    `context` tokens, replicate its cache to `batch` rows (`Cache.batch_repeat_interleave`; the cost of a
+    step does not depend on the cached values), then time `steps` single-token forwards + greedy argmax
+    (what each `generate` step does, minus its bookkeeping). Far cheaper than `measure` at long contexts
+    (one prefill of `context` tokens instead of `batch`), at the price of not being the paper's run.
+
+    Returns: median / min time per output token (ms), batch / median as decode tokens/s, the cache
+    length reached, the single-sequence prefill seconds and the cache's measured bytes per token.
+    """
+    from transformers import DynamicCache
+
+    from .absorb import LatentCache, absorbed
+
+    _check_backend(backend)
+    config = model.config
+    if backend == "absorb" and not is_mla(config):
+        raise TransMLAError(f"The absorb backend needs an MLA (DeepseekV3) model, got {config.model_type!r}.",
+                            "measure the original with backend 'hf'.")
+    ids = random_prompts(vocab_size or config.vocab_size, 1, context, seed).to(model.device)
+    threads = threads or default_threads()
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    times = []
+    try:
+        with absorbed(model, enabled=backend == "absorb") if is_mla(config) else contextlib.nullcontext(), torch.inference_mode():
+            total = context + warmup_steps + steps
+            cache = LatentCache(config, max_cache_len=total) if backend == "absorb" else DynamicCache(config=config)
+            t0 = time.perf_counter()
+            out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            prefill = time.perf_counter() - t0
+            cache.batch_repeat_interleave(batch)
+            nxt = out.logits[:, -1:].argmax(-1).repeat(batch, 1)  # [batch, 1]
+            for i in range(warmup_steps + steps):
+                t = time.perf_counter()
+                out = model(nxt, past_key_values=cache, use_cache=True)
+                nxt = out.logits[:, -1:].argmax(-1)
+                if i >= warmup_steps:
+                    times.append(time.perf_counter() - t)
+            length = cache.get_seq_length()
+            kv_measured = cache_nbytes(cache) / (batch * length)
+            del out, cache
+    finally:
+        torch.set_num_threads(old_threads)
+    times.sort()
+    median = times[len(times) // 2]
+    return {
+        "backend": backend,
+        "model_type": config.model_type,
+        "threads": threads,
+        "context": context,
+        "batch": batch,
+        "steps": steps,
+        "cache_length_end": length,
+        "time_per_output_token_ms": 1e3 * median,
+        "time_per_output_token_min_ms": 1e3 * times[0],
+        "decode_tokens_per_s": batch / median,
+        "prefill_one_sequence_s": prefill,
+        "kv_bytes_per_token": kv_bytes_per_token(config, backend, next(model.parameters()).dtype),
+        "kv_bytes_per_token_measured": kv_measured,
+    }
+
+
+def sweep(
+    model,
+    backends=("hf",),
+    contexts=(512, 1024, 2048),
+    batches=(8,),
+    *,
+    progress: bool = True,
+    **measure_kwargs,
+) -> list[dict]:
+    """`measure` over backends x contexts x batch sizes (tqdm progress on stderr); one dict per run."""
+    from tqdm.auto import tqdm
+
+    combos = [(b, c, n) for b in backends for c in contexts for n in batches]
+    rows = []
+    bar = tqdm(combos, desc="throughput", file=sys.stderr, disable=not progress)
+    for backend, context, batch in bar:
+        bar.set_postfix(backend=backend, context=context, batch=batch)
+        rows.append(measure(model, backend, context, batch, **measure_kwargs))
+    return rows
