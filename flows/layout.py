@@ -50,6 +50,11 @@ def loss_curve_file(model: str, method: str, budget: float) -> Path:
     return REPORTS / "plots" / model / f"{variant(method, budget, True)}-loss.csv"
 
 
+def throughput_dir(model: str, method: str, budget: float) -> Path:
+    """throughput.md, fig6_speedup.png, results.json of one original-vs-converted measurement."""
+    return REPORTS / "throughput" / model / variant(method, budget)
+
+
 def figures_dir(model: str) -> Path:
     return REPORTS / "figures" / model
 

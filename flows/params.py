@@ -140,6 +140,30 @@ class FinetuneParams(Strict):
         return {**self.model_dump(exclude={"methods", "budgets", "corpora", "max_documents"}), "device": device}
 
 
+class ThroughputParams(Strict):
+    """Decode throughput of the original vs the converted model on this machine (paper appendix F).
+
+    `methods` x `budgets` (each in pipeline:) are measured against the original, each in one run.
+    """
+
+    methods: tuple[Literal["transmla", "mha2mla"], ...] = ("transmla",)
+    budgets: tuple[float, ...] = ()  # () = no throughput stage
+    contexts: tuple[int, ...] = (512, 1024, 2048, 4096)  # steady decode at each total context length
+    batch: int = Field(8, ge=1)
+    steps: int = Field(8, ge=1)  # timed decode steps per context (after 2 warm-up steps)
+    full_contexts: tuple[int, ...] = (512,)  # also the whole paper run (input = output = context / 2)
+    threads: int | None = Field(None, ge=1)  # torch threads (None: all cores)
+    cache_memory_gib: float = Field(1.0, gt=0)  # the KV-capacity columns: tokens that fit in this much
+    vllm_check: bool = True  # the vLLM serving check, when its environment exists (python -m transmla.vllm_env)
+
+    @field_validator("contexts", "full_contexts")
+    @classmethod
+    def _contexts(cls, v):
+        if any(c < 4 for c in v):
+            raise ValueError(f"contexts {list(v)} must be >= 4 tokens")
+        return v
+
+
 class NightlyParams(Strict):
     """Nightly conversions of a watch list of sources; an unchanged release (same content hash) is skipped."""
 
@@ -164,6 +188,7 @@ class Profile(Strict):
     evaluation: EvaluationParams = EvaluationParams()
     figures: FiguresParams = FiguresParams()
     finetune: FinetuneParams = FinetuneParams()
+    throughput: ThroughputParams = ThroughputParams()
     nightly: NightlyParams = NightlyParams()
     mlflow: MLflowParams = MLflowParams()
 
@@ -183,11 +208,13 @@ class Profile(Strict):
         missing = [m for m in self.pipeline.models if m not in self.models]
         if missing:
             raise ValueError(f"pipeline.models lists {missing}, which are not keys of models:")
-        ft, p = self.finetune, self.pipeline
-        for what, chosen, available in (("budgets", ft.budgets, p.budgets), ("methods", ft.methods, p.methods)):
-            extra = [x for x in chosen if x not in available]
-            if extra:
-                raise ValueError(f"finetune.{what} lists {extra}, which are not in pipeline.{what} {list(available)}")
+        p = self.pipeline
+        for section in ("finetune", "throughput"):
+            sub = getattr(self, section)
+            for what, chosen, available in (("budgets", sub.budgets, p.budgets), ("methods", sub.methods, p.methods)):
+                extra = [x for x in chosen if x not in available]
+                if extra:
+                    raise ValueError(f"{section}.{what} lists {extra}, which are not in pipeline.{what} {list(available)}")
         return self
 
     def finetuned(self, method: str, budget: float | None) -> bool:
