@@ -268,6 +268,51 @@ def test_finetune_stage_cache_and_reeval(tmp_path, tiny_dir, monkeypatch):
     assert len(history) >= 6 and {m.step for m in history} >= {1, 6}
 
 
+def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
+    """Original vs converted in one run: table, Fig. 6, KV capacity, MLflow curves; cached on re-run;
+    the vLLM check records why it was skipped when its environment is absent."""
+    import mlflow
+
+    import tasks.throughput
+    from flows.convert import convert
+    from flows.params import load_profile
+    from flows.throughput import throughput_flow
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRANSMLA_VLLM_VENV", str(tmp_path / "no-vllm"))
+    calls = []
+    real = tasks.throughput.decode_step
+    monkeypatch.setattr(tasks.throughput, "decode_step", lambda *a, **k: calls.append(a[1:3]) or real(*a, **k))
+    prof = load_profile(write_profile(tmp_path, tiny_dir, name="tput"),
+                        {"throughput": {"budgets": [0.25], "contexts": [16, 32], "batch": 2, "steps": 2,
+                                        "full_contexts": [8]}})
+    convert(prof, "tput", "transmla", 0.25)
+    result = throughput_flow(prof, "tput", "transmla", 0.25)
+    assert sorted(calls) == sorted((b, c) for c in (16, 32) for b in ("hf", "hf", "absorb"))
+    assert {(r["run"], r["context"]) for r in result["decode"]} == {
+        (run, c) for run in ("original", "converted hf", "converted absorb") for c in (16, 32)}
+    assert [r["run"] for r in result["full"]] == ["original", "converted hf", "converted absorb"]
+    # 2 layers: original 2 x 2 KV heads x 16 dims, converted 12 + 4 latent values, float32
+    assert result["kv"]["original"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    assert result["kv"]["converted absorb"]["bytes_per_token"] == 2 * 16 * 4
+    assert result["kv"]["converted absorb"]["capacity_ratio"] == pytest.approx(4.0)
+    assert all(r["kv_bytes_per_token_measured"] == r["kv_bytes_per_token"] for r in result["decode"])
+    assert result["vllm"]["status"] == "skipped" and "transmla.vllm_env" in result["vllm"]["reason"]
+    out = tmp_path / "reports/throughput/tput/transmla-0.25"
+    md = (out / "throughput.md").read_text()
+    assert "| 32 |" in md and "speedup converted absorb" in md and "vLLM serving check: **skipped**" in md
+    assert (out / "fig6_speedup.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((out / "results.json").read_text())["kv"] == result["kv"]
+    runs = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.model` = 'tput'",
+                              output_format="list")
+    run = next(r for r in runs if r.data.tags.get("throughput.vllm") == "skipped")
+    hist = mlflow.tracking.MlflowClient().get_metric_history(run.info.run_id, "throughput.speedup.converted_absorb")
+    assert sorted(m.step for m in hist) == [16, 32]
+    calls.clear()
+    throughput_flow(prof, "tput", "transmla", 0.25)
+    assert calls == []  # cached: same models, params and code
+
+
 # ------------------------------------------------------------------ nightly
 
 def test_nightly_skips_unchanged_releases(tmp_path, tiny_dir, tiny_tokenizer, monkeypatch):
