@@ -20,6 +20,15 @@ def parser(description: str) -> argparse.ArgumentParser:
     return ap
 
 
+def variant_parser(description: str) -> argparse.ArgumentParser:
+    """parser() plus the --model/--method/--budget that name one converted model of the params."""
+    ap = parser(description)
+    ap.add_argument("--model", required=True, help="a model name from the params' models:")
+    ap.add_argument("--method", required=True, choices=["transmla", "mha2mla"])
+    ap.add_argument("--budget", required=True, type=float, help="KV-cache fraction kept, e.g. 0.125")
+    return ap
+
+
 def overrides_of(args) -> dict:
     """-S KEY=YAML options as {dotted key: value}."""
     import yaml

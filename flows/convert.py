@@ -84,10 +84,7 @@ def convert(profile: Profile, model: str, method: str, budget: float, out: str |
 
 
 def main():
-    ap = _cli.parser(__doc__)
-    ap.add_argument("--model", required=True, help="a model name from the params' models:")
-    ap.add_argument("--method", required=True, choices=["transmla", "mha2mla"])
-    ap.add_argument("--budget", required=True, type=float, help="KV-cache fraction kept, e.g. 0.125")
+    ap = _cli.variant_parser(__doc__)
     ap.add_argument("--stats", help="calibration statistics file (default: computed, cached)")
     ap.add_argument("--out", help="checkpoint directory (default artifacts/<model>/<method>-<budget>/model)")
     args = ap.parse_args()

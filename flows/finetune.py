@@ -75,10 +75,7 @@ def finetune(profile: Profile, model: str, method: str, budget: float, checkpoin
 
 
 def main():
-    ap = _cli.parser(__doc__)
-    ap.add_argument("--model", required=True, help="a model name from the params' models:")
-    ap.add_argument("--method", required=True, choices=["transmla", "mha2mla"])
-    ap.add_argument("--budget", required=True, type=float, help="KV-cache fraction kept, e.g. 0.125")
+    ap = _cli.variant_parser(__doc__)
     ap.add_argument("--checkpoint", help="converted model dir (default artifacts/<model>/<method>-<budget>/model)")
     ap.add_argument("--out", help="fine-tuned model dir (default artifacts/<model>/<method>-<budget>-ft/model)")
     args = ap.parse_args()
