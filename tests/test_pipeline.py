@@ -313,6 +313,38 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
     assert calls == []  # cached: same models, params and code
 
 
+def test_throughput_stage_vllm_sweep(tmp_path, tiny_dir, monkeypatch):
+    """With a vLLM environment (stubbed here: CI has none), the stage also runs vLLM's throughput sweep
+    on the original and on the converted model padded to vLLM's MLA sizes."""
+    import flows.throughput
+    import transmla.vllm_env
+    from flows.convert import convert
+    from flows.params import load_profile
+
+    monkeypatch.chdir(tmp_path)
+    served = []
+
+    def fake_run_vllm(request, **kw):
+        served.append((Path(request["model"]).name, request["input_len"], request["output_len"]))
+        if Path(request["model"], "config.json").read_text().count('"deepseek_v3"'):
+            cfg = json.loads(Path(request["model"], "config.json").read_text())
+            assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (512, 64)
+        return {"num_prompts": request["num_prompts"], "output_tokens_per_s": 1.0, "total_tokens_per_s": 2.0}
+
+    monkeypatch.setattr(transmla.vllm_env, "run_vllm", fake_run_vllm)
+    monkeypatch.setattr(flows.throughput, "serving_check", lambda *a: {"status": "passed", "details": []})
+    prof = load_profile(write_profile(tmp_path, tiny_dir, name="tputv"),
+                        {"throughput": {"budgets": [0.25], "contexts": [16], "batch": 2, "steps": 1, "full_contexts": [],
+                                        "vllm_contexts": [16, 32], "vllm_requests": 3}})
+    convert(prof, "tputv", "transmla", 0.25)
+    result = flows.throughput.throughput_flow(prof, "tputv", "transmla", 0.25)
+    assert [(r["run"], r["context"]) for r in result["vllm_throughput"]] == [
+        ("vllm original", 16), ("vllm converted (padded)", 16), ("vllm original", 32), ("vllm converted (padded)", 32)]
+    assert [s[1:] for s in served] == [(8, 8), (8, 8), (16, 16), (16, 16)]
+    md = (tmp_path / "reports/throughput/tputv/transmla-0.25/throughput.md").read_text()
+    assert "vLLM offline throughput" in md and "| 32 | vllm converted (padded) | 3 |" in md
+
+
 # ------------------------------------------------------------------ nightly
 
 def test_nightly_skips_unchanged_releases(tmp_path, tiny_dir, tiny_tokenizer, monkeypatch):
