@@ -68,8 +68,9 @@ def finetune(profile: Profile, model: str, method: str, budget: float, checkpoin
     client, run_id = tracking.stage_run(profile.mlflow.experiment, model, method, budget,
                                         {**config, "corpora": list(ft.corpora)}, finetuned=True)
     tracking.log(client, run_id, params={"model": model, "finetune": config, "corpora": ",".join(ft.corpora)},
-                 metrics={k: record[k] for k in ("val_loss_before", "val_loss_after", "train_loss", "tokens_trained",
-                                                 "tokens_per_second", "seconds_this_run")},
+                 metrics={"train_loss_mean": record["train_loss"],  # "train_loss" is the per-step curve
+                          **{k: record[k] for k in ("val_loss_before", "val_loss_after", "tokens_trained",
+                                                    "tokens_per_second", "seconds_this_run")}},
                  history=curves, artifacts={"finetune.json": summary})
     return ref
 
