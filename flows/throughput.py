@@ -48,12 +48,13 @@ def throughput_flow(profile: Profile, model: str, method: str, budget: float, ch
     if not (ckpt / "config.json").is_file():
         raise TransMLAError(f"No converted checkpoint at {ckpt}.", "run the convert flow (or dvc repro) first.")
     original = resolve_model(profile.model(model).source)
-    ref = throughput(original, dir_ref(ckpt, sha256=content_hash(ckpt)), list(tp.contexts), tp.batch, tp.steps,
+    converted = dir_ref(ckpt, sha256=content_hash(ckpt))
+    ref = throughput(original, converted, list(tp.contexts), tp.batch, tp.steps,
                      list(tp.full_contexts), tp.threads, tp.cache_memory_gib, profile.device)
     result = load_json(ref)
     result["vllm"] = serving_check(profile, ckpt)
     if tp.vllm_contexts and result["vllm"]["status"] in ("passed", "failed"):  # the vLLM env exists
-        result["vllm_throughput"] = load_json(vllm_throughput(original, dir_ref(ckpt, sha256=content_hash(ckpt)),
+        result["vllm_throughput"] = load_json(vllm_throughput(original, converted,
                                                               list(tp.vllm_contexts), tp.vllm_requests, tp.threads))["rows"]
     title = f"{model} {layout.variant(method, budget)} vs original"
     text = table(result, title)
