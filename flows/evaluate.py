@@ -19,9 +19,9 @@ from tasks.artifacts import dir_ref, load_json, publish
 from tasks.evaluate import benchmarks, perplexity
 from tasks.model import dataset_ref, resolve_model
 from transmla.errors import TransMLAError
-from transmla.evaluation import SINGLE
-from transmla.paths import write_text_atomic
-from transmla.sources import content_hash
+from transmla.evaluation.benchmarks import SINGLE
+from transmla.io.paths import write_text_atomic
+from transmla.io.sources import content_hash
 
 from . import _cli, layout
 from .params import Profile

@@ -24,10 +24,10 @@ from tasks.model import dataset_ref, load, resolve_model
 from tasks.rorope import layer_rotation, rotation_of
 from transmla.adapters import attention_weights, read_spec
 from transmla.convert import resolve_budget
-from transmla.diagnostics import key_dim_rms, kv_dim_rms
+from transmla.method.diagnostics import key_dim_rms, kv_dim_rms
 from transmla.errors import TransMLAError
-from transmla.paths import write_text_atomic
-from transmla.rope import standard_plan
+from transmla.io.paths import write_text_atomic
+from transmla.method.rope import standard_plan
 
 from . import _cli, layout
 from .calibrate import stats_for

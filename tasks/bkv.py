@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from transmla.adapters import attention_weights, read_spec
-from transmla.bkv import JointBasis
+from transmla.method.bkv import JointBasis
 from transmla.convert import Budget, ConvertOptions, layer_basis as _layer_basis
 
 from .artifacts import cached_task, load_tensors, save_tensors
@@ -11,7 +11,7 @@ from .calibrate import stats_of
 from .model import load
 from .rorope import rotation_of
 
-CODE = ("transmla/bkv.py", "transmla/linalg.py", "transmla/adapters.py")
+CODE = ("transmla/method/bkv.py", "transmla/method/linalg.py", "transmla/adapters.py")
 
 
 @cached_task("layer_basis", code=CODE)

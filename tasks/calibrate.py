@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from transmla.calibration import CalibrationStats, calibration_ids, collect_stats
-from transmla.data import load_texts
+from transmla.method.calibration import CalibrationStats, calibration_ids, collect_stats
+from transmla.io.data import load_texts
 
 from .artifacts import cached_task, load_tensors, save_tensors
 from .model import data_dir_of, load
 
 
-@cached_task("calibration_stats", code=("transmla/calibration.py", "transmla/data.py"))
+@cached_task("calibration_stats", code=("transmla/method/calibration.py", "transmla/io/data.py"))
 def calibration_stats(model: dict, data: dict, nsamples: int, seqlen: int, batch_size: int, seed: int) -> dict:
     """Ref to a safetensors file of per-layer sums (float64) over nsamples x seqlen tokens of `data`."""
     m, tok = load(model["path"])

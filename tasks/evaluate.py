@@ -3,16 +3,16 @@ the evaluated model's content hash, so a byte-identical re-conversion is not eva
 
 from __future__ import annotations
 
-from transmla.evaluation import evaluate
-from transmla.fast_attention import use_causal_padded_sdpa
-from transmla.perplexity import perplexity as _perplexity, tokenize_corpus
-from transmla.data import load_texts
+from transmla.evaluation.benchmarks import evaluate
+from transmla.runtime.fast_attention import use_causal_padded_sdpa
+from transmla.evaluation.perplexity import perplexity as _perplexity, tokenize_corpus
+from transmla.io.data import load_texts
 
 from .artifacts import cached_task, dir_ref, save_json, task_dir
 from .export import mla_model
 from .model import data_dir_of
 
-PPL_CODE = ("transmla/perplexity.py", "transmla/fast_attention.py", "transmla/data.py")
+PPL_CODE = ("transmla/evaluation/perplexity.py", "transmla/runtime/fast_attention.py", "transmla/io/data.py")
 
 
 def _ppl(model, tok, data: dict, seqlen: int, max_tokens: int | None) -> dict:
@@ -25,13 +25,13 @@ def _ppl(model, tok, data: dict, seqlen: int, max_tokens: int | None) -> dict:
 def perplexity(model: dict, data: dict, seqlen: int = 2048, max_tokens: int | None = None,
                dtype: str = "float32", device: str = "cpu") -> dict:
     """WikiText-2 test perplexity of a model directory -> ref to {"ppl", "tokens", ...}."""
-    from transmla.sources import load_model
+    from transmla.io.sources import load_model
 
     m, tok = load_model(model["path"], dtype=dtype, device=device)
     return save_json("ppl", _ppl(m, tok, data, seqlen, max_tokens))
 
 
-@cached_task("benchmarks", code=("transmla/evaluation.py", "transmla/data.py"))
+@cached_task("benchmarks", code=("transmla/evaluation/benchmarks.py", "transmla/io/data.py"))
 def benchmarks(model: dict, data: list[dict], tasks: list[str], limit: int | None, batch_size: int = 8,
                seed: int = 1234, dtype: str = "float32", device: str = "cpu") -> dict:
     """lm-eval zero-shot on the local benchmark files -> ref to a dir with results.json + samples/."""
@@ -41,7 +41,7 @@ def benchmarks(model: dict, data: list[dict], tasks: list[str], limit: int | Non
     return dir_ref(d)
 
 
-@cached_task("sweep_perplexity", code=PPL_CODE + ("transmla/mla.py", "transmla/export.py", "transmla/convert.py"))
+@cached_task("sweep_perplexity", code=PPL_CODE + ("transmla/method/mla.py", "transmla/io/export.py", "transmla/convert.py"))
 def sweep_perplexity(model: dict, stats: dict, rotations: list[dict], bases: list[dict], options: dict,
                      data: dict, seqlen: int, max_tokens: int | None) -> dict:
     """Perplexity of a conversion built in memory (figure sweeps: no checkpoint on disk)."""

@@ -15,9 +15,9 @@ from prefect.cache_policies import NO_CACHE
 
 from transmla.adapters import attention_weights, read_spec
 from transmla.convert import Budget, ConvertOptions, assemble, conversion_metadata, peak_rss_gib
-from transmla.export import instantiate, write_checkpoint
-from transmla.mla import build_mla_layer
-from transmla.sources import content_hash
+from transmla.io.export import instantiate, write_checkpoint
+from transmla.method.mla import build_mla_layer
+from transmla.io.sources import content_hash
 
 from .artifacts import dir_ref, load_tensors
 from .bkv import basis_of

@@ -9,15 +9,15 @@ to get there.
 
 from __future__ import annotations
 
-from transmla.data import load_documents
-from transmla.finetune import FinetuneConfig, finetune_on_corpora
-from transmla.sources import content_hash, load_model
+from transmla.io.data import load_documents
+from transmla.training.finetune import FinetuneConfig, finetune_on_corpora
+from transmla.io.sources import content_hash, load_model
 
 from .artifacts import cached_task, dir_ref, task_dir
 from .model import data_dir_of
 
 
-@cached_task("finetune", code=("transmla/finetune.py", "transmla/data.py"))
+@cached_task("finetune", code=("transmla/training/finetune.py", "transmla/io/data.py"))
 def finetune_checkpoint(model: dict, corpora: list[dict], config: dict, max_documents: int | None = None) -> dict:
     """Fine-tune a converted (stock DeepseekV3) model dir -> ref to the fine-tuned model dir.
 

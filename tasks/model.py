@@ -12,8 +12,8 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from transmla.data import local_path, spec
-from transmla.sources import content_hash, parse_source, source_info
+from transmla.io.data import local_path, spec
+from transmla.io.sources import content_hash, parse_source, source_info
 
 from .artifacts import STORE, dir_ref, sha256_file
 
@@ -23,7 +23,7 @@ def resolve_model(source: str) -> dict:
     """{"path", "sha256", "source", "model_type"} of a model source (GGUF sources materialise once)."""
     src = parse_source(source)
     if src.kind == "hf":  # hub id: keep one local copy so the content can be hashed
-        from transmla.sources import fetch_model
+        from transmla.io.sources import fetch_model
 
         local = STORE / "models" / src.slug
         if not (local / "config.json").is_file():
@@ -60,6 +60,6 @@ def _file_hash(path: str, _mtime: int) -> str:
 @functools.lru_cache(maxsize=2)
 def load(path: str, dtype: str = "float32", device: str = "cpu"):
     """(model, tokenizer), loaded once per process: the per-layer tasks share one copy."""
-    from transmla.sources import load_model
+    from transmla.io.sources import load_model
 
     return load_model(path, dtype=dtype, device=device)

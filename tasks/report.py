@@ -7,7 +7,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from transmla.paths import write_text_atomic
+from transmla.io.paths import write_text_atomic
 
 COLUMNS = (("MMLU", "mmlu"), ("ARC", "arc_mean"), ("PIQA", "piqa"), ("HS", "hellaswag"), ("OBQA", "openbookqa"),
            ("WG", "winogrande"))

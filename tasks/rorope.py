@@ -9,13 +9,13 @@ import torch
 
 from transmla.adapters import attention_weights, read_spec
 from transmla.convert import Budget, ConvertOptions, layer_rotation as _layer_rotation
-from transmla.rorope import KeyRotation
+from transmla.method.rorope import KeyRotation
 
 from .artifacts import cached_task, load_tensors, save_tensors
 from .calibrate import stats_of
 from .model import load
 
-CODE = ("transmla/rorope.py", "transmla/mha2mla.py", "transmla/rope.py", "transmla/linalg.py", "transmla/adapters.py")
+CODE = ("transmla/method/rorope.py", "transmla/method/mha2mla.py", "transmla/method/rope.py", "transmla/method/linalg.py", "transmla/adapters.py")
 
 
 @cached_task("layer_rotation", code=CODE)

@@ -3,7 +3,7 @@ appendix F), and the paper's Fig. 6 (speedup vs context length).
 
 Backends: the original with its own cache (`hf`), the converted DeepseekV3 as stock transformers runs
 it (`hf`), and the converted model decoding with the Absorb operation over a latent-only cache
-(`absorb`). Two measurements (transmla.throughput):
+(`absorb`). Two measurements (transmla.runtime.throughput):
 
     steady decode   time per output token at each context length (`decode_step`: one prefill of
                     `context` tokens replicated to the batch, then timed single-token steps)
@@ -22,8 +22,8 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from transmla.sources import load_model
-from transmla.throughput import GIB, decode_step, kv_bytes_per_token, kv_capacity_tokens, measure
+from transmla.io.sources import load_model
+from transmla.runtime.throughput import GIB, decode_step, kv_bytes_per_token, kv_capacity_tokens, measure
 
 from .artifacts import cached_task, save_json
 from .figures import _plt, _save
@@ -32,7 +32,7 @@ from .figures import _plt, _save
 RUNS = (("original", "original", "hf"), ("converted hf", "converted", "hf"), ("converted absorb", "converted", "absorb"))
 
 
-@cached_task("throughput", code=("transmla/throughput.py", "transmla/absorb.py"))
+@cached_task("throughput", code=("transmla/runtime/throughput.py", "transmla/runtime/absorb.py"))
 def throughput(original: dict, converted: dict, contexts: list[int], batch: int, steps: int,
                full_contexts: list[int], threads: int | None, cache_memory_gib: float, device: str = "cpu") -> dict:
     """-> ref to {"decode": [rows], "full": [rows], "kv": {...}} for the three backends."""
@@ -59,13 +59,13 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
     return save_json("throughput", out)
 
 
-@cached_task("vllm_throughput", code=("transmla/serving.py", "transmla/vllm_env.py", "transmla/vllm_runner.py"))
+@cached_task("vllm_throughput", code=("transmla/runtime/serving.py", "transmla/runtime/vllm_env.py", "transmla/runtime/vllm_runner.py"))
 def vllm_throughput(original: dict, converted: dict, contexts: list[int], requests: int, threads: int | None) -> dict:
     """vLLM's offline throughput (paper protocol: `requests` random prompts, input = output = context / 2)
     of the original and of the converted model, padded to the MLA sizes vLLM's kernels serve
-    (transmla.serving) -> ref to {"rows": [...]}. Needs the vLLM environment (transmla.vllm_env)."""
-    from transmla.serving import pad_checkpoint
-    from transmla.vllm_env import run_vllm
+    (transmla.runtime.serving) -> ref to {"rows": [...]}. Needs the vLLM environment (transmla.runtime.vllm_env)."""
+    from transmla.runtime.serving import pad_checkpoint
+    from transmla.runtime.vllm_env import run_vllm
 
     from .artifacts import task_dir
 

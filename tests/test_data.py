@@ -1,6 +1,6 @@
 import pytest
 
-from transmla.data import REGISTRY, load_rows, load_texts, local_path
+from transmla.io.data import REGISTRY, load_rows, load_texts, local_path
 from transmla.errors import TransMLAError
 
 
@@ -20,7 +20,7 @@ def test_hub_only_sets_name_the_fix():
 
 
 def test_documents_join_line_rows_and_cap():
-    from transmla.data import load_documents
+    from transmla.io.data import load_documents
 
     (wiki,) = load_documents("wikitext2-train")  # WikiText rows are lines of one running text
     assert wiki.startswith(load_texts("wikitext2-train")[0]) and "\n\n" in wiki

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from transmla.errors import TransMLAError
-from transmla.evaluation import TASKS, evaluate, mmlu_subjects, sample_indices, write_task_yamls
+from transmla.evaluation.benchmarks import TASKS, evaluate, mmlu_subjects, sample_indices, write_task_yamls
 
 
 @pytest.fixture(scope="module")

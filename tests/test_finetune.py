@@ -11,12 +11,12 @@ import torch
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from transmla.convert import ConvertOptions, convert
-from transmla.data import load_documents
-from transmla.diagnostics import latent_norm_identity_error
+from transmla.io.data import load_documents
+from transmla.method.diagnostics import latent_norm_identity_error
 from transmla.errors import TransMLAError
-from transmla.finetune import (FinetuneConfig, UnfoldedNorm, fold_latent_norms, finetune, mean_loss, pack_corpus,
+from transmla.training.finetune import (FinetuneConfig, UnfoldedNorm, fold_latent_norms, finetune, mean_loss, pack_corpus,
                                save_finetuned, unfold_latent_norms)
-from transmla.sources import load_model
+from transmla.io.sources import load_model
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from transmla.errors import TransMLAError
-from transmla.perplexity import perplexity, tokenize_corpus, wikitext2_perplexity
-from transmla.sources import load_model
+from transmla.evaluation.perplexity import perplexity, tokenize_corpus, wikitext2_perplexity
+from transmla.io.sources import load_model
 
 
 def test_perplexity_matches_hf_loss(tiny_model_dir):

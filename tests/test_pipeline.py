@@ -146,12 +146,12 @@ def test_task_key_is_content_addressed(tmp_path):
 
     a, b = tmp_path / "a.bin", tmp_path / "b.bin"
     a.write_bytes(b"same"), b.write_bytes(b"same")
-    k = task_key("t", ("transmla/bkv.py",), {"x": file_ref(a), "r": 4})
-    assert k == task_key("t", ("transmla/bkv.py",), {"r": 4, "x": file_ref(b)})  # same content, other path
-    assert k != task_key("t", ("transmla/bkv.py",), {"x": file_ref(a), "r": 5})
-    assert k != task_key("t", ("transmla/rorope.py",), {"x": file_ref(a), "r": 4})  # other code
+    k = task_key("t", ("transmla/method/bkv.py",), {"x": file_ref(a), "r": 4})
+    assert k == task_key("t", ("transmla/method/bkv.py",), {"r": 4, "x": file_ref(b)})  # same content, other path
+    assert k != task_key("t", ("transmla/method/bkv.py",), {"x": file_ref(a), "r": 5})
+    assert k != task_key("t", ("transmla/method/rorope.py",), {"x": file_ref(a), "r": 4})  # other code
     b.write_bytes(b"other")
-    assert k != task_key("t", ("transmla/bkv.py",), {"x": file_ref(b), "r": 4})
+    assert k != task_key("t", ("transmla/method/bkv.py",), {"x": file_ref(b), "r": 4})
 
 
 def test_convert_cache_keys(tmp_path, tiny_dir, monkeypatch):
@@ -297,7 +297,7 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
     assert result["kv"]["converted absorb"]["bytes_per_token"] == 2 * 16 * 4
     assert result["kv"]["converted absorb"]["capacity_ratio"] == pytest.approx(4.0)
     assert all(r["kv_bytes_per_token_measured"] == r["kv_bytes_per_token"] for r in result["decode"])
-    assert result["vllm"]["status"] == "skipped" and "transmla.vllm_env" in result["vllm"]["reason"]
+    assert result["vllm"]["status"] == "skipped" and "transmla.runtime.vllm_env" in result["vllm"]["reason"]
     out = tmp_path / "reports/throughput/tput/transmla-0.25"
     md = (out / "throughput.md").read_text()
     assert "| 32 |" in md and "speedup converted absorb" in md and "vLLM serving check: **skipped**" in md
@@ -317,7 +317,7 @@ def test_throughput_stage_vllm_sweep(tmp_path, tiny_dir, monkeypatch):
     """With a vLLM environment (stubbed here: CI has none), the stage also runs vLLM's throughput sweep
     on the original and on the converted model padded to vLLM's MLA sizes."""
     import flows.throughput
-    import transmla.vllm_env
+    import transmla.runtime.vllm_env
     from flows.convert import convert
     from flows.params import load_profile
 
@@ -331,7 +331,7 @@ def test_throughput_stage_vllm_sweep(tmp_path, tiny_dir, monkeypatch):
             assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (512, 64)
         return {"num_prompts": request["num_prompts"], "output_tokens_per_s": 1.0, "total_tokens_per_s": 2.0}
 
-    monkeypatch.setattr(transmla.vllm_env, "run_vllm", fake_run_vllm)
+    monkeypatch.setattr(transmla.runtime.vllm_env, "run_vllm", fake_run_vllm)
     monkeypatch.setattr(flows.throughput, "serving_check", lambda *a: {"status": "passed", "details": []})
     prof = load_profile(write_profile(tmp_path, tiny_dir, name="tputv"),
                         {"throughput": {"budgets": [0.25], "contexts": [16], "batch": 2, "steps": 1, "full_contexts": [],

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from transmla.perplexity import wikitext2_perplexity
-from transmla.sources import materialize
+from transmla.evaluation.perplexity import wikitext2_perplexity
+from transmla.io.sources import materialize
 
 pytestmark = pytest.mark.slow
 

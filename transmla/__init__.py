@@ -8,9 +8,9 @@ Python API (the CLI is a thin layer over it):
     print(wikitext2_perplexity(model, tok, max_tokens=65536)["ppl"])
 """
 
-from .convert import ConvertOptions, convert
-from .errors import TransMLAError
-from .perplexity import wikitext2_perplexity
-from .sources import load_model
+from transmla.convert import ConvertOptions, convert
+from transmla.errors import TransMLAError
+from transmla.evaluation.perplexity import wikitext2_perplexity
+from transmla.io.sources import load_model
 
 __all__ = ["ConvertOptions", "TransMLAError", "convert", "load_model", "wikitext2_perplexity"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import TransMLAError
+from transmla.errors import TransMLAError
 
 # model_type -> whether q/k/v carry biases (read from the weights anyway; this is documentation).
 SUPPORTED = {"llama": False, "mistral": False, "qwen2": True}

@@ -11,9 +11,9 @@ import json
 import os
 import sys
 
-from .errors import TransMLAError
-from .paths import write_text_atomic
-from .sources import DEFAULT_SOURCE, SYNTAX_HELP
+from transmla.errors import TransMLAError
+from transmla.io.paths import write_text_atomic
+from transmla.io.sources import DEFAULT_SOURCE, SYNTAX_HELP
 
 SOURCE_HELP = f"model source (default {DEFAULT_SOURCE}); {SYNTAX_HELP}"
 
@@ -25,14 +25,14 @@ def _offline_defaults() -> None:
 
 
 def cmd_fetch_model(args) -> dict:
-    from .sources import fetch_model
+    from transmla.io.sources import fetch_model
 
     return fetch_model(args.source, args.out, cache=args.cache_dir)
 
 
 def cmd_ppl(args) -> dict:
-    from .perplexity import wikitext2_perplexity
-    from .sources import load_model, source_info
+    from transmla.evaluation.perplexity import wikitext2_perplexity
+    from transmla.io.sources import load_model, source_info
 
     info = source_info(args.model, cache=args.cache_dir)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, cache=args.cache_dir)
@@ -43,7 +43,7 @@ def cmd_ppl(args) -> dict:
 
 
 def cmd_convert(args) -> dict:
-    from .convert import ConvertOptions, convert
+    from transmla.convert import ConvertOptions, convert
 
     opts = ConvertOptions(
         method=args.method, kv_cache_ratio=args.kv_cache_ratio, qk_rope_dim=args.qk_rope_dim,
@@ -59,8 +59,8 @@ def cmd_convert(args) -> dict:
 
 
 def cmd_eval(args) -> dict:
-    from .evaluation import evaluate
-    from .sources import materialize
+    from transmla.evaluation.benchmarks import evaluate
+    from transmla.io.sources import materialize
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     limit = None if args.limit in (None, 0) else args.limit
@@ -72,10 +72,10 @@ def cmd_eval(args) -> dict:
 def cmd_finetune(args) -> dict:
     from pathlib import Path
 
-    from .data import load_documents
-    from .finetune import FinetuneConfig, finetune_on_corpora
-    from .paths import new_output_dir
-    from .sources import load_model
+    from transmla.io.data import load_documents
+    from transmla.training.finetune import FinetuneConfig, finetune_on_corpora
+    from transmla.io.paths import new_output_dir
+    from transmla.io.sources import load_model
 
     cfg = FinetuneConfig(mode=args.mode, max_tokens=args.max_tokens, seqlen=args.seqlen, batch_size=args.batch_size,
                          grad_accum=args.grad_accum, lr=args.lr, schedule=args.schedule, warmup_ratio=args.warmup_ratio,
@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--work-dir", default=None, help="Trainer checkpoints (default: .<out>.trainer beside --out)")
     t.set_defaults(func=cmd_finetune)
 
-    from .evaluation import TASKS
+    from transmla.evaluation.benchmarks import TASKS
 
     e = sub.add_parser("eval", parents=[common], help="six-benchmark evaluation with lm-eval (offline)",
                        description="Zero-shot MMLU, ARC-Easy, ARC-Challenge, PIQA, HellaSwag, OpenBookQA and "

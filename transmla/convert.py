@@ -21,16 +21,16 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .adapters import AttentionWeights, GQASpec, attention_weights, read_spec, shared_state_dict
-from .bkv import JointBasis, attention_metrics, bkv_alpha, joint_basis
-from .calibration import CalibrationStats, calibration_ids, collect_stats
-from .errors import TransMLAError
-from .linalg import affine_second_moment
-from .mha2mla import mha2mla_selection, two_norm_scores
-from .mla import LATENT_NORM_EPS, MLALayer, build_mla_layer
-from .paths import new_output_dir
-from .rope import is_standard, lossless_plan, standard_plan
-from .rorope import KeyRotation, rorope, validate_freqfold
+from transmla.adapters import AttentionWeights, GQASpec, attention_weights, read_spec, shared_state_dict
+from transmla.method.bkv import JointBasis, attention_metrics, bkv_alpha, joint_basis
+from transmla.method.calibration import CalibrationStats, calibration_ids, collect_stats
+from transmla.errors import TransMLAError
+from transmla.method.linalg import affine_second_moment
+from transmla.method.mha2mla import mha2mla_selection, two_norm_scores
+from transmla.method.mla import LATENT_NORM_EPS, MLALayer, build_mla_layer
+from transmla.io.paths import new_output_dir
+from transmla.method.rope import is_standard, lossless_plan, standard_plan
+from transmla.method.rorope import KeyRotation, rorope, validate_freqfold
 
 METHODS = ("transmla", "mha2mla")
 
@@ -192,7 +192,7 @@ def convert_layers(model, stats: CalibrationStats, spec: GQASpec, budget: Budget
 
 def assemble(model, spec: GQASpec, budget: Budget, layers: list[MLALayer], o: ConvertOptions, metadata: dict):
     """(DeepseekV3 config, state dict) for the converted model."""
-    from .export import deepseek_config
+    from transmla.io.export import deepseek_config
 
     dtype = getattr(torch, o.dtype)
     has_bias = layers[0].kv_a_bias is not None
@@ -210,9 +210,9 @@ def peak_rss_gib() -> float:
 
 def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_dir=None, progress=True) -> dict:
     """Load `source`, calibrate, convert, export to `out`. Returns the metadata written with it."""
-    from .data import load_texts
-    from .export import write_checkpoint
-    from .sources import load_model, source_info
+    from transmla.io.data import load_texts
+    from transmla.io.export import write_checkpoint
+    from transmla.io.sources import load_model, source_info
 
     o.validate()
     t0 = time.perf_counter()

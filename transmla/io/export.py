@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from .adapters import GQASpec
-from .paths import atomic_dir, new_output_dir
-from .rope import is_standard, longrope_parameters
+from transmla.adapters import GQASpec
+from transmla.io.paths import atomic_dir, new_output_dir
+from transmla.method.rope import is_standard, longrope_parameters
 
 
 def deepseek_config(

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # The repository root, for the editable install this project uses (transmla/ sits in the repo).
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 DATA_DIR_ENV = "TRANSMLA_DATA_DIR"
 CACHE_DIR_ENV = "TRANSMLA_CACHE_DIR"
@@ -42,7 +42,7 @@ def cache_dir(override: str | os.PathLike | None = None) -> Path:
 
 def new_output_dir(path: str | os.PathLike) -> Path:
     """Resolve an output directory that must not exist yet (or be empty); one clear error otherwise."""
-    from .errors import TransMLAError
+    from transmla.errors import TransMLAError
 
     out = Path(path).expanduser().resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -18,7 +18,7 @@ import sys
 import torch
 from tqdm.auto import tqdm
 
-from .errors import TransMLAError
+from transmla.errors import TransMLAError
 
 
 def calibration_ids(tokenizer, texts: list[str], nsamples: int, seqlen: int, seed: int) -> torch.Tensor:

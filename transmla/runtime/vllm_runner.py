@@ -1,11 +1,11 @@
 """Run vLLM on a checkpoint: executed BY the vLLM environment's python, as a script (not `-m`).
 
-    <.venv-vllm>/bin/python -I transmla/vllm_runner.py REQUEST.json RESULT.json
+    <.venv-vllm>/bin/python -I transmla/runtime/vllm_runner.py REQUEST.json RESULT.json
 
 (-I: the script's folder holds data.py, errors.py, ... which must not shadow other modules.)
 
 It imports only vllm, torch and the standard library (never the transmla package, whose
-dependencies live in the project's own env). Drive it with `transmla.vllm_env.run_vllm(request)`.
+dependencies live in the project's own env). Drive it with `transmla.runtime.vllm_env.run_vllm(request)`.
 vLLM logs go to stdout/stderr; the result is written as JSON to RESULT.json (atomically).
 
 Requests (JSON objects); common keys: model (dir), dtype ("float32"), max_model_len, seed,

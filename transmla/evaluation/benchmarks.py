@@ -19,9 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from .data import load_rows, local_path
-from .errors import TransMLAError
-from .paths import write_text_atomic
+from transmla.io.data import load_rows, local_path
+from transmla.errors import TransMLAError
+from transmla.io.paths import write_text_atomic
 
 TASKS = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")
 PREFIX = "offline_"

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from .linalg import affine_diag
-from .rope import is_standard
-from .rorope import KeyRotation
+from transmla.method.linalg import affine_diag
+from transmla.method.rope import is_standard
+from transmla.method.rorope import KeyRotation
 
 
 def pair_rms(diag: torch.Tensor, n_heads: int, d: int) -> torch.Tensor:

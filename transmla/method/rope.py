@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import TransMLAError
+from transmla.errors import TransMLAError
 
 
 def inv_freq(base: float, dim: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from .errors import TransMLAError
+from transmla.errors import TransMLAError
 
 
 def tokenize_corpus(tokenizer, texts: list[str]) -> torch.Tensor:
@@ -75,7 +75,7 @@ def perplexity(
 
 def wikitext2_perplexity(model, tokenizer, seqlen=2048, max_tokens=None, data_dir=None, progress=True) -> dict:
     """Perplexity on the WikiText-2 (raw) test split from the data registry."""
-    from .data import load_texts
+    from transmla.io.data import load_texts
 
     ids = tokenize_corpus(tokenizer, load_texts("wikitext2-test", data_dir))
     out = perplexity(model, ids, seqlen=seqlen, max_tokens=max_tokens, progress=progress)

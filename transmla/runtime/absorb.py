@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .errors import TransMLAError
+from transmla.errors import TransMLAError
 
 _BUFFERS = ("absorb_q_weight", "absorb_w_uk", "absorb_o_weight", "absorb_w_uv")
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import TransMLAError
-from .linalg import eigh_desc
+from transmla.errors import TransMLAError
+from transmla.method.linalg import eigh_desc
 
 FREQFOLDS = (1, 2, 4, 8)
 

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .adapters import AttentionWeights
-from .bkv import JointBasis
-from .errors import TransMLAError
-from .linalg import affine_second_moment, eigh_desc
-from .rope import interleave_index
-from .rorope import KeyRotation
+from transmla.adapters import AttentionWeights
+from transmla.method.bkv import JointBasis
+from transmla.errors import TransMLAError
+from transmla.method.linalg import affine_second_moment, eigh_desc
+from transmla.method.rope import interleave_index
+from transmla.method.rorope import KeyRotation
 
 # transformers' DeepseekV3 builds kv_a_layernorm / q_a_layernorm with its default eps, 1e-6, not
 # config.rms_norm_eps. The identity construction depends on that eps, so it is a parameter

@@ -9,7 +9,7 @@ After conversion a short causal-LM run recovers quality (paper appendix E: 300M-
 
 Why unfold: the export makes kv_a_layernorm (and q_a_layernorm) an identity by scaling the latent
 rows of kv_a_proj_with_mqa by 1/s (s ~ 1e7-1e8) and setting the norm weight to s*sqrt(eps)
-(transmla.mla.norm_identity_scale). Adam updates are ~lr per weight whatever the weight's size, so
+(transmla.method.mla.norm_identity_scale). Adam updates are ~lr per weight whatever the weight's size, so
 training those ~1e-8-sized rows directly would wreck them in one step. Training therefore runs on
 the equivalent parametrisation (latent rows times s, the norm replaced by an identity), and the
 saved model gets a fresh s derived from the trained latent's energy on held-out data, so the
@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .errors import TransMLAError
-from .fast_attention import use_causal_padded_sdpa
-from .mla import norm_identity_scale
+from transmla.errors import TransMLAError
+from transmla.runtime.fast_attention import use_causal_padded_sdpa
+from transmla.method.mla import norm_identity_scale
 
 MODES = ("full", "attention")
 SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine"}
@@ -354,7 +354,7 @@ def save_finetuned(model, tokenizer, out, record: dict):
     full run record (loss curves) in transmla_finetune.json. Returns the directory."""
     import json
 
-    from .paths import atomic_dir, new_output_dir
+    from transmla.io.paths import atomic_dir, new_output_dir
 
     out = new_output_dir(out)
     # Timings stay out of config.json: the content hash (evaluation cache key) must not depend on them.

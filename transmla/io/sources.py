@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import TransMLAError
-from .paths import atomic_dir, cache_dir, new_output_dir
+from transmla.errors import TransMLAError
+from transmla.io.paths import atomic_dir, cache_dir, new_output_dir
 
 DEFAULT_SOURCE = "smollm2-135m"
 METADATA_FILE = "transmla_source.json"

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import TransMLAError
-from .linalg import eigh_desc
+from transmla.errors import TransMLAError
+from transmla.method.linalg import eigh_desc
 
 
 @dataclass
@@ -80,7 +80,7 @@ def attention_metrics(w, T: torch.Tensor, rope_dim: int, xx, mu, h: int, g: int,
     Value error changes the output through o_proj: tr(O E[dv dv^T]), O = blockdiag_j sum_{i in j}
     W_O,i^T W_O,i. PCA of [Q^1/2 k_nope ; O^1/2 v] minimises these (up to the alpha balance).
     """
-    from .linalg import affine_second_moment
+    from transmla.method.linalg import affine_second_moment
 
     L, R = g * d, rope_dim
     Q = torch.zeros(L - R, L - R, dtype=torch.float64)

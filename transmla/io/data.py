@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import TransMLAError
-from .paths import DATA_DIR_ENV, data_dir
+from transmla.errors import TransMLAError
+from transmla.io.paths import DATA_DIR_ENV, data_dir
 
 DATA_SOURCE_ENV = "TRANSMLA_DATA_SOURCE"
 
