@@ -6,6 +6,7 @@ import argparse
 import sys
 
 import tasks  # noqa: F401  (Prefect defaults before prefect is imported)
+from transmla.config import METHODS
 from transmla.errors import TransMLAError
 
 from .params import DEFAULT_PARAMS, Profile, load_profile
@@ -20,12 +21,13 @@ def parser(description: str) -> argparse.ArgumentParser:
     return ap
 
 
-def variant_parser(description: str) -> argparse.ArgumentParser:
-    """parser() plus the --model/--method/--budget that name one converted model of the params."""
+def variant_parser(description: str, original: bool = False) -> argparse.ArgumentParser:
+    """parser() plus the --model/--method/--budget that name one converted model of the params
+    (`original`: or the unconverted model, --method original without a budget)."""
     ap = parser(description)
     ap.add_argument("--model", required=True, help="a model name from the params' models:")
-    ap.add_argument("--method", required=True, choices=["transmla", "mha2mla"])
-    ap.add_argument("--budget", required=True, type=float, help="KV-cache fraction kept, e.g. 0.125")
+    ap.add_argument("--method", required=True, choices=(["original"] if original else []) + list(METHODS))
+    ap.add_argument("--budget", required=not original, type=float, help="KV-cache fraction kept, e.g. 0.125")
     return ap
 
 
@@ -47,9 +49,214 @@ def profile_of(args) -> Profile:
 
 
 def run(main) -> None:
-    """Run `main()`; a TransMLAError becomes one line with its fix and exit code 2."""
+    """Run `main()`; a TransMLAError becomes one line with its fix and exit code 2.
+
+    SIGINT/SIGTERM/SIGHUP (Ctrl-C, `kill`, a closed terminal) stop the run at once: the first one
+    raises `Interrupted` in the running task, whose atomic writes drop their temporary files, Prefect
+    records the task and flow runs as Crashed, and the process ends with one line naming what to
+    rerun and exit code 128 + the signal (130, 143, 129). A second signal while that winds down
+    ends the process immediately. The cached tasks that finished make the rerun resume there.
+    """
+    interrupts = _Interrupts()
+    previous = interrupts.install()
+    interrupted = False
     try:
+        _own_group_for_temporary_server(interrupts)
         main()
+        interrupted = bool(interrupts.received)  # a signal Prefect absorbed after the flow's end
     except TransMLAError as e:
-        print(f"transmla: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        if not interrupts.received:
+            print(f"transmla: error: {e}", file=sys.stderr)
+            sys.exit(2)
+        interrupted = True
+    except BaseException as e:  # noqa: BLE001  (an interrupt may surface as whatever it broke)
+        interrupted = bool(interrupts.received) or _signal_of(e) is not None
+        if not interrupted:
+            raise
+        if not interrupts.received:
+            interrupts.received.append(_signal_of(e))
+    finally:
+        if not interrupted:
+            _Interrupts.restore(previous)
+    if interrupted:
+        # The handler stays installed: a second signal during interpreter shutdown (Prefect stops
+        # its temporary server at exit) then ends the process at once, without a traceback.
+        interrupts.exit()
+
+
+_INTERRUPT_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Raised in the main thread by run()'s signal handler. A KeyboardInterrupt, i.e. a
+    BaseException: `except Exception` in library code lets it through, and Prefect's task and
+    flow engines mark their runs Crashed and re-raise it (checked for Prefect 3.8)."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _signal_of(exc: BaseException) -> int | None:
+    """The signal an exception stands for: Interrupted, KeyboardInterrupt (SIGINT) or Prefect's
+    TerminationSignal (its own SIGTERM handler, installed for the length of a flow run)."""
+    import signal
+
+    if isinstance(exc, Interrupted):
+        return exc.signum
+    if isinstance(exc, KeyboardInterrupt):
+        return int(signal.SIGINT)
+    sig = getattr(exc, "signal", None)
+    if type(exc).__name__ == "TerminationSignal" and isinstance(sig, int):
+        return sig
+    return None
+
+
+class _Interrupts:
+    """run()'s SIGINT/SIGTERM/SIGHUP handling.
+
+    Prefect 3.8 swaps its own SIGTERM handler in while a flow runs (utilities.engine.capture_sigterm):
+    it raises TerminationSignal, the engines mark the task and flow runs Crashed, and on the way out
+    it restores the previous handler (this one) and sends the signal again, so `handler` raises
+    `Interrupted(SIGTERM)` from there. SIGINT reaches `handler` directly.
+    """
+
+    def __init__(self):
+        self.received: list[int] = []
+        self.flow: str | None = None
+        self.children: list = []  # processes started in their own process group (stopped on a forced exit)
+
+    def install(self) -> dict:
+        import signal
+
+        previous = {}
+        for name in _INTERRUPT_SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is None:
+                continue
+            try:
+                old = signal.getsignal(sig)
+                if old is signal.SIG_IGN:  # e.g. nohup, or a background job: keep it ignored
+                    continue
+                signal.signal(sig, self.handler)
+            except ValueError:  # not the main thread
+                return previous
+            previous[sig] = old
+        return previous
+
+    @staticmethod
+    def restore(previous: dict) -> None:
+        import signal
+
+        for sig, old in previous.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+    def handler(self, signum, frame) -> None:
+        self.received.append(signum)
+        if len(self.received) == 1:
+            self.flow = self._running_flow()
+            raise Interrupted(signum)
+        self.exit(forced=True)
+
+    @staticmethod
+    def _running_flow() -> str | None:
+        ctx = sys.modules.get("prefect.context")
+        try:
+            run_ctx = ctx.FlowRunContext.get() if ctx else None
+            return run_ctx.flow.name if run_ctx and run_ctx.flow else None
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _command_flow(self) -> str:
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        return (spec.name if spec else "flow").rsplit(".", 1)[-1]
+
+    def exit(self, forced: bool = False) -> None:
+        """One line naming what to rerun, then exit 128 + the first signal (no traceback)."""
+        import os
+        import signal
+
+        sig = self.received[0]
+        print(f"transmla: interrupted ({signal.Signals(sig).name}) during flow {self.flow or self._command_flow()}: "
+              "nothing partial was kept; rerun the same command (or make repro) to resume from the last "
+              "finished step.", file=sys.stderr, flush=True)
+        if not forced:
+            sys.exit(128 + sig)
+        # A second signal: skip the rest of the clean-up (Prefect's reports, atexit), stop what we started.
+        for p in self.children:
+            try:
+                p.kill()
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001
+            pass
+        os._exit(128 + sig)
+
+
+def _own_group_for_temporary_server(interrupts: _Interrupts) -> None:
+    """Start Prefect's temporary server (no PREFECT_API_URL) in its own process group.
+
+    Prefect starts it as a plain child, so a Ctrl-C in the terminal reaches it too: it shuts down
+    while this process still reports the interrupted task and flow runs to it, and every report
+    then retries a ConnectError for about a minute (the issue's "ConnectError once the server was
+    gone"). In its own group only this process's exit stops it (Prefect's atexit hook, or
+    `interrupts.exit` on a forced exit).
+    """
+    import os
+    import subprocess
+    import types
+
+    if os.name != "posix":
+        return
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return
+    from prefect.server.api import server
+
+    class _Subprocess(types.ModuleType):
+        """`subprocess` as prefect.server.api.server sees it: Popen in a new process group."""
+
+        def __getattr__(self, name):
+            return getattr(subprocess, name)
+
+        @staticmethod
+        def Popen(*args, **kwargs):  # noqa: N802
+            kwargs.setdefault("process_group", 0)
+            p = subprocess.Popen(*args, **kwargs)
+            interrupts.children.append(p)
+            return p
+
+    server.subprocess = _Subprocess("subprocess")
+
+
+def entry(flow, doc: str, variant: bool | str = False, model: bool = True, **options: str) -> None:
+    """The command line of one flow module: `python -m flows.<name>`.
+
+    --params/-S always; --model (and --method/--budget for a converted `variant`); each option
+    `name="help"` becomes --name (a flag if the help starts with "flag:"), passed to the flow as
+    name=value when given. The flow is called as flow(profile, model, method, budget, **options).
+    """
+    ap = variant_parser(doc, original=variant == "or-original") if variant else parser(doc)
+    if model and not variant:
+        ap.add_argument("--model", required=True, help="a model name from the params' models:")
+    for name, help_ in options.items():
+        flag = "--" + name.replace("_", "-")
+        if help_.startswith("flag:"):
+            ap.add_argument(flag, dest=name, action="store_true", help=help_[5:].strip())
+        else:
+            ap.add_argument(flag, dest=name, help=help_)
+
+    def main():
+        args = ap.parse_args()
+        kwargs = {k: getattr(args, k) for k in options if getattr(args, k) not in (None, False)}
+        pos = [args.model, args.method, args.budget] if variant else ([args.model] if model else [])
+        result = flow(profile_of(args), *pos, **kwargs)
+        if isinstance(result, str):
+            print(result)
+
+    run(main)

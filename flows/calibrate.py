@@ -22,18 +22,9 @@ def stats_for(profile: Profile, model_ref: dict) -> dict:
 
 @flow(name="calibrate")
 def calibrate(profile: Profile, model: str, out: str | None = None) -> dict:
-    model_ref = resolve_model(profile.model(model).source)
-    stats = stats_for(profile, model_ref)
+    stats = stats_for(profile, resolve_model(profile.model(model).source))
     return file_ref(publish(stats, out or layout.calibration_file(model)))
 
 
-def main():
-    ap = _cli.parser(__doc__)
-    ap.add_argument("--model", required=True, help="a model name from the params' models:")
-    ap.add_argument("--out")
-    args = ap.parse_args()
-    calibrate(_cli.profile_of(args), args.model, args.out)
-
-
 if __name__ == "__main__":
-    _cli.run(main)
+    _cli.entry(calibrate, __doc__, out="statistics file (default artifacts/<model>/calibration.safetensors)")

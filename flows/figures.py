@@ -10,7 +10,6 @@ the rotations are the same cached tasks the convert flow uses.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 from prefect import flow
@@ -18,27 +17,28 @@ from prefect import flow
 from tasks.artifacts import file_ref, load_json
 from tasks.bkv import basis_of
 from tasks.calibrate import stats_of
-from tasks.evaluate import perplexity, sweep_perplexity
+from tasks.evaluate import perplexity
 from tasks.figures import plot_fig4a, plot_fig4b, plot_fig5
-from tasks.model import dataset_ref, load, resolve_model
+from tasks.model import dataset_ref, load, resolve_model, spec_of
 from tasks.rorope import layer_rotation, rotation_of
-from transmla.adapters import attention_weights, read_spec
-from transmla.convert import resolve_budget
-from transmla.method.diagnostics import key_dim_rms, kv_dim_rms
+from tasks.sweep import sweep_perplexity
+from transmla.adapters import attention_weights
+from transmla.method.diagnostics import balance_norms, key_norm_series
+from transmla.pipeline.budget import resolve_budget
 from transmla.errors import TransMLAError
 from transmla.io.paths import write_text_atomic
 from transmla.method.rope import standard_plan
 
 from . import _cli, layout
 from .calibrate import stats_for
-from .convert import convert_options, layer_steps
+from .convert import layer_steps
 from .params import Profile
 
 
 def _ppl(profile: Profile, model_ref, stats, o) -> float:
     f = profile.figures
     rotations, bases = layer_steps(model_ref, stats, o)
-    ref = sweep_perplexity(model_ref, stats, rotations, bases, asdict(o), dataset_ref(profile.evaluation.ppl_dataset),
+    ref = sweep_perplexity(model_ref, stats, rotations, bases, o.model_dump(), dataset_ref(profile.evaluation.ppl_dataset),
                            profile.evaluation.ppl_seqlen, f.ppl_max_tokens)
     return load_json(ref)["ppl"]
 
@@ -48,8 +48,7 @@ def figures(profile: Profile, model: str, stats_file: str | None = None, out_dir
     f = profile.figures
     model_ref = resolve_model(profile.model(model).source)
     stats = file_ref(stats_file) if stats_file else stats_for(profile, model_ref)
-    m, _ = load(model_ref["path"])
-    spec = read_spec(m.config)
+    spec = spec_of(model_ref)
     if f.layer >= spec.n_layers:
         raise TransMLAError(f"figures.layer={f.layer} but the model has {spec.n_layers} layers.", "lower figures.layer.")
     for R in (*f.rope_dims, f.fig4a_rope_dim):
@@ -57,17 +56,15 @@ def figures(profile: Profile, model: str, stats_file: str | None = None, out_dir
             raise TransMLAError(f"RoPE dim {R} does not divide head dim {spec.d} (or is odd).",
                                 "use figures.rope_dims / fig4a_rope_dim that divide the head dim.")
     out = layout.figures_dir(model) if out_dir is None else Path(out_dir)
-    st, L, w = stats_of(stats), f.layer, attention_weights(m, f.layer)
-    xx, mu = st.second_moment(L), st.mean(L)
+    L, w = f.layer, attention_weights(load(model_ref["path"])[0], f.layer)
+    m = stats_of(stats).moments(L)
     full = 2 * spec.g * spec.d
 
     # Fig. 4a: where the key energy sits before / after RoRoPE (+ FreqFold), one layer.
     plan = standard_plan(spec.d, f.fig4a_rope_dim)
-    series, energy = {"original": key_dim_rms(w.wk, w.bk, xx, mu).tolist()}, {}
-    for label, fold in (("RoRoPE", 1), (f"RoRoPE + FreqFold {f.freqfold}", f.freqfold)):
-        rot = rotation_of(layer_rotation(model_ref, stats, L, "transmla", plan, fold))
-        series[label] = key_dim_rms(w.wk, w.bk, xx, mu, rot.T).tolist()
-        energy[label] = rot.energy
+    rots = {label: rotation_of(layer_rotation(model_ref, stats, L, plan, "transmla", fold))
+            for label, fold in (("RoRoPE", 1), (f"RoRoPE + FreqFold {f.freqfold}", f.freqfold))}
+    series, energy = key_norm_series(w.wk, w.bk, m.xx, m.mean, rots)
     fig4a = {"layer": L, "rope_dim": f.fig4a_rope_dim, "series": series, "energy": energy}
 
     # Fig. 4b: drop RoPE from more and more dims at full KV rank.
@@ -77,7 +74,7 @@ def figures(profile: Profile, model: str, stats_file: str | None = None, out_dir
     for R in f.rope_dims:
         for label, method, fold in (("MHA2MLA (2-norm)", "mha2mla", 1), ("RoRoPE", "transmla", 1),
                                     (f"RoRoPE + FreqFold {f.freqfold}", "transmla", f.freqfold)):
-            o = convert_options(profile, method, None, qk_rope_dim=R, kv_lora_rank=full - R, freqfold=fold)
+            o = profile.convert_options(method, None, qk_rope_dim=R, kv_lora_rank=full - R, freqfold=fold)
             curves[label].append([1 - R / spec.d, _ppl(profile, model_ref, stats, o)])
     fig4b = {"original": original, "curves": curves, "tokens": f.ppl_max_tokens}
 
@@ -85,16 +82,13 @@ def figures(profile: Profile, model: str, stats_file: str | None = None, out_dir
     ppl5 = {}
     for pca in ("weights", "activations"):
         for bkv in (False, True):
-            o = convert_options(profile, "transmla", f.fig5_budget, pca=pca, balance_kv=bkv)
+            o = profile.convert_options("transmla", f.fig5_budget, pca=pca, balance_kv=bkv)
             ppl5[f"{pca}{' + BKV' if bkv else ''}"] = _ppl(profile, model_ref, stats, o)
-    o = convert_options(profile, "transmla", f.fig5_budget, balance_kv=True)
+    o = profile.convert_options("transmla", f.fig5_budget, balance_kv=True)
     budget = resolve_budget(spec, o)
     rotations, bases = layer_steps(model_ref, stats, o)  # cached: the "+ BKV" point above made them
-    rot, alpha = rotation_of(rotations[L]), basis_of(bases[L]).alpha
-    wk_nope = rot.T[rot.rope_dim:] @ w.wk
-    k_before, v = kv_dim_rms(wk_nope, w.wv, xx)
-    k_after, _ = kv_dim_rms(wk_nope, w.wv, xx, alpha)
-    fig5 = {"layer": L, "alpha": alpha, "k_before": k_before.tolist(), "k_after": k_after.tolist(), "v": v.tolist(),
+    alpha = basis_of(bases[L]).alpha
+    fig5 = {"layer": L, "alpha": alpha, **balance_norms(w.wk, w.wv, m.xx, rotation_of(rotations[L]), alpha),
             "ppl": ppl5, "budget": f.fig5_budget, "qk_rope_head_dim": budget.rope_dim,
             "kv_lora_rank": budget.kv_lora_rank, "tokens": f.ppl_max_tokens}
 
@@ -107,13 +101,5 @@ def figures(profile: Profile, model: str, stats_file: str | None = None, out_dir
     return summary
 
 
-def main():
-    ap = _cli.parser(__doc__)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--stats", help="calibration statistics file (default: computed, cached)")
-    args = ap.parse_args()
-    figures(_cli.profile_of(args), args.model, args.stats)
-
-
 if __name__ == "__main__":
-    _cli.run(main)
+    _cli.entry(figures, __doc__, stats_file="calibration statistics file (default: computed, cached)")

@@ -13,17 +13,14 @@ from __future__ import annotations
 import csv
 import io
 import json
-from pathlib import Path
 
 from prefect import flow
 
 from tasks import tracking
-from tasks.artifacts import dir_ref, publish
+from tasks.artifacts import publish
 from tasks.finetune import finetune_checkpoint
-from tasks.model import dataset_ref
-from transmla.errors import TransMLAError
+from tasks.model import checkpoint_ref, dataset_ref
 from transmla.io.paths import write_text_atomic
-from transmla.io.sources import content_hash
 
 from . import _cli, layout
 from .params import Profile
@@ -51,12 +48,8 @@ def curves_csv(curves: dict[str, list[tuple[int, float]]]) -> str:
 def finetune(profile: Profile, model: str, method: str, budget: float, checkpoint: str | None = None,
              out: str | None = None) -> dict:
     ft = profile.finetune
-    src = Path(checkpoint or layout.checkpoint_dir(model, method, budget))
-    if not (src / "config.json").is_file():
-        raise TransMLAError(f"No converted checkpoint at {src}.", "run the convert flow (or dvc repro) first.")
-    config = ft.config(profile.device)
-    ref = finetune_checkpoint(dir_ref(src, sha256=content_hash(src)), [dataset_ref(c) for c in ft.corpora],
-                              config, ft.max_documents)
+    src = checkpoint_ref(checkpoint or layout.checkpoint_dir(model, method, budget), "convert")
+    ref = finetune_checkpoint(src, [dataset_ref(c) for c in ft.corpora], ft.config(profile.device), ft.max_documents)
     dest = publish(ref, out or layout.finetuned_dir(model, method, budget))
     record = json.loads((dest / "transmla_finetune.json").read_text())
     curves = loss_curves(record["log_history"])
@@ -65,23 +58,17 @@ def finetune(profile: Profile, model: str, method: str, budget: float, checkpoin
     if out is None:  # pipeline outputs; an explicit --out is a one-off run
         write_text_atomic(layout.training_file(model, method, budget), json.dumps(summary, indent=2, default=str))
         write_text_atomic(layout.loss_curve_file(model, method, budget), curves_csv(curves))
-    client, run_id = tracking.stage_run(profile.mlflow.experiment, model, method, budget,
-                                        {**config, "corpora": list(ft.corpora)}, finetuned=True)
-    tracking.log(client, run_id, params={"model": model, "finetune": config, "corpora": ",".join(ft.corpora)},
-                 metrics={"train_loss_mean": record["train_loss"],  # "train_loss" is the per-step curve
-                          **{k: record[k] for k in ("val_loss_before", "val_loss_after", "tokens_trained",
-                                                    "tokens_per_second", "seconds_this_run")}},
-                 history=curves, artifacts={"finetune.json": summary})
+    tracking.track(profile.mlflow.experiment, model, method, budget, finetuned=True,
+                   config={**ft.config(profile.device), "corpora": list(ft.corpora)},
+                   params={"model": model, "finetune": ft.config(profile.device), "corpora": ",".join(ft.corpora)},
+                   metrics={"train_loss_mean": record["train_loss"],  # "train_loss" is the per-step curve
+                            **{k: record[k] for k in ("val_loss_before", "val_loss_after", "tokens_trained",
+                                                      "tokens_per_second", "seconds_this_run")}},
+                   history=curves, artifacts={"finetune.json": summary})
     return ref
 
 
-def main():
-    ap = _cli.variant_parser(__doc__)
-    ap.add_argument("--checkpoint", help="converted model dir (default artifacts/<model>/<method>-<budget>/model)")
-    ap.add_argument("--out", help="fine-tuned model dir (default artifacts/<model>/<method>-<budget>-ft/model)")
-    args = ap.parse_args()
-    finetune(_cli.profile_of(args), args.model, args.method, args.budget, args.checkpoint, args.out)
-
-
 if __name__ == "__main__":
-    _cli.run(main)
+    _cli.entry(finetune, __doc__, variant=True,
+               checkpoint="converted model dir (default artifacts/<model>/<method>-<budget>/model)",
+               out="fine-tuned model dir (default artifacts/<model>/<method>-<budget>-ft/model)")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -26,13 +25,14 @@ from tasks import tracking
 from tasks.artifacts import STORE, canonical
 from tasks.export import export_checkpoint
 from tasks.model import resolve_model
+from tasks.report import table_row
 from transmla.io.paths import write_text_atomic
 from transmla.io.sources import parse_source
 
 from . import _cli, layout
 from .calibrate import stats_for
-from .convert import convert_options, layer_steps
-from .evaluate import evaluate_ref, table_row
+from .convert import layer_steps
+from .evaluate import evaluate_ref
 from .params import DEFAULT_PARAMS, load_profile
 
 LEDGER = STORE / "nightly"
@@ -55,8 +55,8 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
         name = f"{parse_source(source).slug}-{model_ref['sha256'][:12]}"
         for budget in profile.nightly.budgets:
             for method in profile.nightly.methods:
-                o = convert_options(profile, method, budget)
-                key = job_key(model_ref["sha256"], asdict(o), profile.evaluation.model_dump())
+                o = profile.convert_options(method, budget)
+                key = job_key(model_ref["sha256"], o.model_dump(), profile.evaluation.model_dump())
                 entry = LEDGER / f"{key}.json"
                 rec = {"source": source, "content_hash": model_ref["sha256"], "method": method, "budget": budget, "key": key}
                 if entry.is_file():
@@ -68,11 +68,11 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                 rotations, bases = layer_steps(model_ref, stats, o)
                 if (out / "model").exists():  # an interrupted earlier night: its steps are cached
                     shutil.rmtree(out / "model")
-                ckpt = export_checkpoint(model_ref, stats, rotations, bases, asdict(o), str(out / "model"))
-                row = table_row(name, method, budget, evaluate_ref(profile, ckpt), ckpt["transmla"], profile)
+                ckpt = export_checkpoint(model_ref, stats, rotations, bases, o.model_dump(), str(out / "model"))
+                ev = evaluate_ref(profile, ckpt)
+                row = table_row(name, method, budget, ev["ppl"], ev["benchmarks"], ckpt["transmla"], profile.evaluation.limit)
                 write_text_atomic(out / "metrics.json", json.dumps(row, indent=2))
-                client, run_id = tracking.stage_run(profile.mlflow.experiment, name, method, budget, asdict(o))
-                tracking.log(client, run_id, params={"source": source, "content_hash": model_ref["sha256"]},
+                tracking.track(profile.mlflow.experiment, name, method, budget, config=o.model_dump(), params={"source": source, "content_hash": model_ref["sha256"]},
                              metrics={"wikitext2_ppl": row["ppl"], "average": row["average"],
                                       "kv_cache_ratio": row["kv_cache_ratio"]},
                              tags={"transmla.nightly": "true"}, artifacts={"table_row.json": row})

@@ -28,7 +28,7 @@ from .report import report
 
 
 @flow(name="paper")
-def paper(profile: Profile, with_figures: bool = True) -> str:
+def paper(profile: Profile, no_figures: bool = False) -> str:
     p = profile.pipeline
     for model in p.models:
         stats = calibrate(profile, model)["path"]
@@ -46,17 +46,10 @@ def paper(profile: Profile, with_figures: bool = True) -> str:
                         shutil.rmtree(ft)
                     finetune(profile, model, method, budget)
                     evaluate(profile, model, method, budget, finetuned=True)
-        if with_figures:
+        if not no_figures:
             figures(profile, model, stats_file=stats)
     return report(profile)
 
 
-def main():
-    ap = _cli.parser(__doc__)
-    ap.add_argument("--no-figures", action="store_true")
-    args = ap.parse_args()
-    print(paper(_cli.profile_of(args), not args.no_figures))
-
-
 if __name__ == "__main__":
-    _cli.run(main)
+    _cli.entry(paper, __doc__, model=False, no_figures="flag: skip Figs. 4-5")

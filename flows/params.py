@@ -14,15 +14,20 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from transmla.config import (FINETUNE_CORPORA, FREQFOLDS, CalibrationOptions, ConvertOptions, EvaluationOptions,
+                             ExportOptions, FinetuneConfig, TransMLAOptions)
 from transmla.errors import TransMLAError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PARAMS = REPO_ROOT / "params" / "default.yaml"
-BENCHMARKS = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MHA2MLAParams(Strict):
+    """The baseline: 2-norm RoPE selection, joint SVD of the weights (no options)."""
 
 
 class ModelParams(Strict):
@@ -30,53 +35,9 @@ class ModelParams(Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 
-class CalibrationParams(Strict):
-    dataset: str = "wikitext2-train"
-    nsamples: int = Field(128, ge=1)
-    seqlen: int = Field(256, ge=2)
-    batch_size: int = Field(8, ge=1)
-    seed: int = 42
-
-
-class TransMLAParams(Strict):
-    """The paper's method: RoRoPE + FreqFold, then balanced-KV joint PCA on activations."""
-
-    freqfold: Literal[1, 2, 4, 8] = 4
-    balance_kv: bool = True
-    pca: Literal["activations", "weights"] = "activations"
-    attention_aware: bool = False
-
-
-class MHA2MLAParams(Strict):
-    """The baseline: 2-norm RoPE selection, joint SVD of the weights (no options)."""
-
-
 class MethodsParams(Strict):
-    transmla: TransMLAParams = TransMLAParams()
+    transmla: TransMLAOptions = TransMLAOptions()
     mha2mla: MHA2MLAParams = MHA2MLAParams()
-
-
-class ExportParams(Strict):
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    latent_norm_eps: float | None = None  # None: transformers' fixed 1e-6; vLLM needs config.rms_norm_eps
-
-
-class EvaluationParams(Strict):
-    ppl_dataset: str = "wikitext2-test"
-    ppl_seqlen: int = Field(2048, ge=2)
-    ppl_max_tokens: int | None = Field(None, ge=2)  # None: the whole test set
-    tasks: tuple[str, ...] = BENCHMARKS
-    limit: int | None = Field(None, ge=1)  # docs per task (per MMLU subject); None: full benchmarks
-    batch_size: int = Field(8, ge=1)
-    seed: int = 1234
-
-    @field_validator("tasks")
-    @classmethod
-    def _known(cls, v):
-        bad = [t for t in v if t not in BENCHMARKS]
-        if bad:
-            raise ValueError(f"unknown benchmarks {bad}; choose from {list(BENCHMARKS)}")
-        return v
 
 
 class FiguresParams(Strict):
@@ -85,9 +46,16 @@ class FiguresParams(Strict):
     layer: int = Field(0, ge=0)
     ppl_max_tokens: int = Field(8192, ge=2)
     rope_dims: tuple[int, ...] = (32, 16, 8, 4)  # Fig. 4b x-axis: removal ratio 1 - R/d
-    freqfold: Literal[2, 4, 8] = 4  # the "RoRoPE + FreqFold" curve
+    freqfold: int = TransMLAOptions.model_fields["freqfold"].default  # the "RoRoPE + FreqFold" curve
     fig4a_rope_dim: int = 32
     fig5_budget: float = Field(0.3125, gt=0, le=1)  # KV cache ratio kept for the PCA comparison
+
+    @field_validator("freqfold")
+    @classmethod
+    def _fold(cls, v):
+        if v not in FREQFOLDS or v == 1:
+            raise ValueError(f"figures.freqfold={v}: use one of {[m for m in FREQFOLDS if m > 1]}")
+        return v
 
 
 class PipelineParams(Strict):
@@ -108,36 +76,21 @@ class PipelineParams(Strict):
         return v
 
 
-class FinetuneParams(Strict):
+class FinetuneParams(FinetuneConfig):
     """Recovery fine-tune of converted models, then re-evaluation (paper appendix E).
 
-    Which conversions are fine-tuned: `methods` x `budgets` (each must be in pipeline:). The rest
-    mirrors transmla.training.finetune.FinetuneConfig (training tokens, optimiser, schedule, checkpoints).
+    Which conversions are fine-tuned: `methods` x `budgets` (each must be in pipeline:). The rest is
+    transmla.config.FinetuneConfig (its defaults; `device` comes from the profile).
     """
 
     methods: tuple[Literal["transmla", "mha2mla"], ...] = ("transmla",)
     budgets: tuple[float, ...] = ()  # () = no fine-tune stage
-    corpora: tuple[str, ...] = ("c4-demo", "wiki-demo", "wikitext2-train")
+    corpora: tuple[str, ...] = FINETUNE_CORPORA
     max_documents: int | None = Field(None, ge=1)  # per corpus; hub corpora are streamed up to it
-    mode: Literal["full", "attention"] = "full"
-    max_tokens: int = Field(1_000_000, ge=1)  # training tokens
-    seqlen: int = Field(512, ge=2)
-    batch_size: int = Field(8, ge=1)
-    grad_accum: int = Field(1, ge=1)
-    lr: float = Field(1e-4, gt=0)
-    schedule: Literal["constant", "cosine"] = "constant"
-    warmup_ratio: float = Field(0.03, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    val_tokens: int = Field(32_768, ge=1)
-    eval_every: int = Field(25, ge=1)
-    log_every: int = Field(5, ge=1)
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    seed: int = 0
 
     def config(self, device: str) -> dict:
-        """The transmla.training.finetune.FinetuneConfig fields (what defines the training run)."""
-        return {**self.model_dump(exclude={"methods", "budgets", "corpora", "max_documents"}), "device": device}
+        """The FinetuneConfig fields (what defines the training run)."""
+        return {**self.model_dump(include=set(FinetuneConfig.model_fields)), "device": device}
 
 
 class ThroughputParams(Strict):
@@ -187,10 +140,10 @@ class Profile(Strict):
     device: str = "cpu"
     models: dict[str, ModelParams]
     pipeline: PipelineParams
-    calibration: CalibrationParams = CalibrationParams()
+    calibration: CalibrationOptions = CalibrationOptions()
     methods: MethodsParams = MethodsParams()
-    export: ExportParams = ExportParams()
-    evaluation: EvaluationParams = EvaluationParams()
+    export: ExportOptions = ExportOptions()
+    evaluation: EvaluationOptions = EvaluationOptions()
     figures: FiguresParams = FiguresParams()
     finetune: FinetuneParams = FinetuneParams()
     throughput: ThroughputParams = ThroughputParams()
@@ -221,6 +174,11 @@ class Profile(Strict):
                 if extra:
                     raise ValueError(f"{section}.{what} lists {extra}, which are not in pipeline.{what} {list(available)}")
         return self
+
+    def convert_options(self, method: str, budget: float | None, **explicit) -> ConvertOptions:
+        """The ConvertOptions a (method, budget) of this profile stands for (validated)."""
+        return ConvertOptions.from_sections(method, budget, self.methods.transmla, self.calibration, self.export,
+                                            self.device, **explicit)
 
     def finetuned(self, method: str, budget: float | None) -> bool:
         """Whether the pipeline fine-tunes this conversion."""

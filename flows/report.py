@@ -67,17 +67,9 @@ def report(profile: Profile) -> str:
             figs[model] = list(json.loads(f.read_text())["files"].values())
     text = table1(rows, figs, notes, layout.table_file())
     for model in profile.pipeline.models:
-        client, exp_id = tracking._client(profile.mlflow.experiment)
-        run_id = tracking.pipeline_run(client, exp_id, model)
-        tracking.log(client, run_id, files=[layout.table_file(), *figs.get(model, [])])
+        tracking.log_files(profile.mlflow.experiment, model, [layout.table_file(), *figs.get(model, [])])
     return text
 
 
-def main():
-    ap = _cli.parser(__doc__)
-    args = ap.parse_args()
-    print(report(_cli.profile_of(args)))
-
-
 if __name__ == "__main__":
-    _cli.run(main)
+    _cli.entry(report, __doc__, model=False)

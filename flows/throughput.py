@@ -9,18 +9,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from prefect import flow
 
 from tasks import tracking
-from tasks.artifacts import dir_ref, load_json
-from tasks.model import resolve_model
-from tasks.throughput import plot_fig6, speedups, table, throughput, vllm_throughput
-from transmla.errors import TransMLAError
-from transmla.io.paths import atomic_dir
-from transmla.io.sources import content_hash
+from tasks.artifacts import load_json
+from tasks.model import checkpoint_ref, resolve_model
+from tasks.throughput import throughput, tracked, vllm_throughput, write_report
 
 from . import _cli, layout
 from .params import Profile
@@ -45,47 +41,22 @@ def throughput_flow(profile: Profile, model: str, method: str, budget: float, ch
                     out: str | None = None) -> dict:
     tp = profile.throughput
     ckpt = Path(checkpoint or layout.checkpoint_dir(model, method, budget))
-    if not (ckpt / "config.json").is_file():
-        raise TransMLAError(f"No converted checkpoint at {ckpt}.", "run the convert flow (or dvc repro) first.")
-    original = resolve_model(profile.model(model).source)
-    converted = dir_ref(ckpt, sha256=content_hash(ckpt))
-    ref = throughput(original, converted, list(tp.contexts), tp.batch, tp.steps,
-                     list(tp.full_contexts), tp.threads, tp.cache_memory_gib, profile.device)
-    result = load_json(ref)
+    original, converted = resolve_model(profile.model(model).source), checkpoint_ref(ckpt, "convert")
+    result = load_json(throughput(original, converted, list(tp.contexts), tp.batch, tp.steps,
+                                  list(tp.full_contexts), tp.threads, tp.cache_memory_gib, profile.device))
     result["vllm"] = serving_check(profile, ckpt)
     if tp.vllm_contexts and result["vllm"]["status"] in ("passed", "failed"):  # the vLLM env exists
         result["vllm_throughput"] = load_json(vllm_throughput(original, converted,
                                                               list(tp.vllm_contexts), tp.vllm_requests, tp.threads))["rows"]
     title = f"{model} {layout.variant(method, budget)} vs original"
-    text = table(result, title)
-    v = result["vllm"]
-    text += f"\nvLLM serving check: **{v['status']}**" + (f" ({v['reason']})" if v.get("reason") else "") + "\n"
-    for line in v.get("details", []):
-        text += f"- {line}\n"
     dest = Path(out or layout.throughput_dir(model, method, budget))
-    with atomic_dir(dest) as tmp:
-        (tmp / "results.json").write_text(json.dumps(result, indent=2, default=str))
-        (tmp / "throughput.md").write_text(text)
-        plot_fig6(result, title, tmp / "fig6_speedup.png")
-    client, run_id = tracking.stage_run(profile.mlflow.experiment, model, method, budget)
-    history = {f"throughput.speedup.{run.replace(' ', '_')}": points for run, points in speedups(result).items()}
-    for r in result["decode"]:
-        history.setdefault(f"throughput.decode_tokens_per_s.{r['run'].replace(' ', '_')}", []).append(
-            (r["context"], r["decode_tokens_per_s"]))
-    tracking.log(client, run_id, metrics={"throughput.kv_capacity_ratio": result["kv"]["converted absorb"]["capacity_ratio"],
-                                          "throughput.vllm_serving_ok": float(v["status"] == "passed")},
-                 history=history, tags={"throughput.vllm": v["status"]},
-                 files=[dest / "throughput.md", dest / "fig6_speedup.png"])
+    write_report(result, title, dest)
+    tracking.track(profile.mlflow.experiment, model, method, budget, **tracked(result),
+                   files=[dest / "throughput.md", dest / "fig6_speedup.png"])
     return result
 
 
-def main():
-    ap = _cli.variant_parser(__doc__)
-    ap.add_argument("--checkpoint", help="converted model dir (default artifacts/<model>/<method>-<budget>/model)")
-    ap.add_argument("--out", help="output dir (default reports/throughput/<model>/<method>-<budget>)")
-    args = ap.parse_args()
-    throughput_flow(_cli.profile_of(args), args.model, args.method, args.budget, args.checkpoint, args.out)
-
-
 if __name__ == "__main__":
-    _cli.run(main)
+    _cli.entry(throughput_flow, __doc__, variant=True,
+               checkpoint="converted model dir (default artifacts/<model>/<method>-<budget>/model)",
+               out="output dir (default reports/throughput/<model>/<method>-<budget>)")

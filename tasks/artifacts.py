@@ -31,12 +31,13 @@ from prefect import task
 from safetensors.torch import load_file, save_file
 
 from transmla.errors import TransMLAError
-from transmla.io.paths import atomic_dir
+from transmla.io.paths import atomic_dir, atomic_file
 from transmla.io.sources import sha256_file
 
-from ._env import REPO_ROOT, STORE
+from . import codehash
+from ._env import STORE
 
-KEY_SCHEMA = "transmla-cache-v1"  # bump to invalidate every cached result at once
+KEY_SCHEMA = "transmla-cache-v2"  # bump to invalidate every cached result at once
 _current_dir: contextvars.ContextVar[Path] = contextvars.ContextVar("transmla_task_dir")
 
 
@@ -66,14 +67,34 @@ def dir_ref(path: str | os.PathLike, sha256: str | None = None, **extra) -> dict
     return {"path": str(p), "sha256": sha256 or sha256_tree(p), **extra}
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def tokenizer_hash(path: str | os.PathLike) -> str:
+    """Content hash of a model directory's tokenizer files (not part of the model content hash,
+    which covers config + weights, yet they decide every token a task sees)."""
+    root, h = Path(path), hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        if (root / name).is_file():
+            h.update(name.encode())
+            h.update(sha256_file(root / name).encode())
+    return h.hexdigest()
+
+
+def model_ref(path: str | os.PathLike, sha256: str, **extra) -> dict:
+    """A model directory as a ref: its content hash (config + weights) plus its tokenizer's hash."""
+    return dir_ref(path, sha256=sha256, tokenizer_sha256=tokenizer_hash(path), **extra)
+
+
 def is_ref(x) -> bool:
     return isinstance(x, dict) and "sha256" in x and "path" in x
 
 
 def canonical(x):
-    """JSON-able, order-independent form of task parameters; refs collapse to their content hash."""
+    """JSON-able, order-independent form of task parameters; refs collapse to their content hashes."""
     if is_ref(x):
-        return "sha256:" + x["sha256"]
+        return "sha256:" + x["sha256"] + (":tok:" + x["tokenizer_sha256"] if x.get("tokenizer_sha256") else "")
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return canonical(dataclasses.asdict(x))
     if hasattr(x, "model_dump"):
@@ -89,16 +110,12 @@ def canonical(x):
     return x
 
 
-@functools.lru_cache(maxsize=None)
-def code_hash(relpath: str) -> str:
-    return sha256_file(REPO_ROOT / relpath)
-
-
-def task_key(name: str, code: tuple[str, ...], params: dict) -> str:
+def task_key(name: str, module: str, params: dict) -> str:
+    """The cache key of task `name` defined in `module`, called with `params`."""
     payload = {
         "schema": KEY_SCHEMA,
         "task": name,
-        "code": {c: code_hash(c) for c in code},
+        "code": codehash.code_key(module),
         "params": canonical(params),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -106,8 +123,9 @@ def task_key(name: str, code: tuple[str, ...], params: dict) -> str:
 
 # ---------------------------------------------------------------- cached tasks
 
-def cached_task(name: str, code: tuple[str, ...] = (), **task_kwargs):
-    """A Prefect task cached on `task_key`, results persisted as JSON in the store.
+def cached_task(name: str, **task_kwargs):
+    """A Prefect task cached on `task_key` (code = the closure of the decorated function's module),
+    results persisted as JSON in the store.
 
     Inside the task body `task_dir()` is the task run's own artifact directory
     (artifacts/<name>/<key>/), so outputs are content-addressed by the same key.
@@ -119,7 +137,7 @@ def cached_task(name: str, code: tuple[str, ...] = (), **task_kwargs):
         def key_of(params: dict) -> str:
             bound = sig.bind(**params)
             bound.apply_defaults()
-            return task_key(name, code, dict(bound.arguments))
+            return task_key(name, fn.__module__, dict(bound.arguments))
 
         @functools.wraps(fn)
         def body(*args, **kwargs):
@@ -149,35 +167,22 @@ def task_dir() -> Path:
 
 # ---------------------------------------------------------------- read / write
 
-def save_tensors(name: str, tensors: dict, metadata: dict | None = None) -> dict:
+def save_tensors(name: str, tensors: dict) -> dict:
     """Write `tensors` to <task_dir>/<name>.safetensors atomically; return its ref."""
-    d = task_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    final = d / f"{name}.safetensors"
-    tmp = d / f".{name}.tmp"
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-              metadata={k: json.dumps(v) for k, v in (metadata or {}).items()})
-    tmp.replace(final)
+    final = task_dir() / f"{name}.safetensors"
+    with atomic_file(final) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
     return file_ref(final)
 
 
-def load_tensors(ref: dict) -> tuple[dict, dict]:
-    """(tensors, metadata) of a safetensors ref."""
-    from safetensors import safe_open
-
-    p = _existing(ref)
-    with safe_open(str(p), framework="pt") as f:
-        meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
-    return load_file(str(p)), meta
+def load_tensors(ref: dict) -> dict:
+    return load_file(str(_existing(ref)))
 
 
 def save_json(name: str, obj) -> dict:
-    d = task_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    final = d / f"{name}.json"
-    tmp = d / f".{name}.tmp"
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    tmp.replace(final)
+    final = task_dir() / f"{name}.json"
+    with atomic_file(final) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, default=str))
     return file_ref(final)
 
 
@@ -203,7 +208,6 @@ def publish(ref: dict, dest: str | os.PathLike) -> Path:
         with atomic_dir(dest) as tmp:
             shutil.copytree(src, tmp, dirs_exist_ok=True)
     else:
-        tmp = dest.with_name(f".{dest.name}.tmp")
-        shutil.copyfile(src, tmp)
-        tmp.replace(dest)
+        with atomic_file(dest) as tmp:
+            shutil.copyfile(src, tmp)
     return dest

@@ -25,11 +25,11 @@ def _plt():
 
 
 def _save(fig, path: Path) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    # Fixed metadata so an unchanged figure is byte-identical (DVC/git see no change).
-    fig.savefig(tmp, dpi=110, bbox_inches="tight", metadata={"Software": None})
-    tmp.replace(path)
+    from transmla.io.paths import atomic_file
+
+    with atomic_file(path) as tmp:
+        # Fixed metadata so an unchanged figure is byte-identical (DVC/git see no change).
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
     _plt().close(fig)
     return str(path)
 

@@ -13,11 +13,11 @@ from transmla.io.data import load_documents
 from transmla.training.finetune import FinetuneConfig, finetune_on_corpora
 from transmla.io.sources import content_hash, load_model
 
-from .artifacts import cached_task, dir_ref, task_dir
+from .artifacts import cached_task, model_ref, task_dir
 from .model import data_dir_of
 
 
-@cached_task("finetune", code=("transmla/training/finetune.py", "transmla/io/data.py"))
+@cached_task("finetune")
 def finetune_checkpoint(model: dict, corpora: list[dict], config: dict, max_documents: int | None = None) -> dict:
     """Fine-tune a converted (stock DeepseekV3) model dir -> ref to the fine-tuned model dir.
 
@@ -31,4 +31,4 @@ def finetune_checkpoint(model: dict, corpora: list[dict], config: dict, max_docu
             for c in corpora}
     record = finetune_on_corpora(m, tok, docs, cfg, d / "trainer", d / "model")
     summary = {k: v for k, v in record.items() if k not in ("log_history", "config", "data")}
-    return dir_ref(d / "model", sha256=content_hash(d / "model"), finetune=summary)
+    return model_ref(d / "model", content_hash(d / "model"), finetune=summary)

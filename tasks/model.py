@@ -1,7 +1,8 @@
 """Inputs of the DAG: a model source and a data set, resolved to content-hashed refs.
 
-The model ref's sha256 is the model's content hash (config + safetensors weights), so a re-released
-model with new weights gets new keys everywhere downstream and an unchanged one is recognised.
+A model ref's sha256 is the model's content hash (config + safetensors weights) and its
+tokenizer_sha256 the tokenizer files' hash, so a re-released model with new weights or a new
+tokenizer gets new keys everywhere downstream and an unchanged one is recognised.
 """
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from transmla.adapters import GQASpec, read_spec
+from transmla.errors import TransMLAError
 from transmla.io.data import local_path, spec
 from transmla.io.sources import content_hash, parse_source, source_info
 
-from .artifacts import STORE, dir_ref, sha256_file
+from .artifacts import STORE, model_ref, sha256_file
 
 
 @task(name="resolve_model", cache_policy=NO_CACHE)
 def resolve_model(source: str) -> dict:
-    """{"path", "sha256", "source", "model_type"} of a model source (GGUF sources materialise once)."""
+    """{"path", "sha256", "tokenizer_sha256", "source"} of a model source (GGUF sources materialise once)."""
     src = parse_source(source)
     if src.kind == "hf":  # hub id: keep one local copy so the content can be hashed
         from transmla.io.sources import fetch_model
@@ -28,9 +31,25 @@ def resolve_model(source: str) -> dict:
         local = STORE / "models" / src.slug
         if not (local / "config.json").is_file():
             fetch_model(source, local)
-        return dir_ref(local, sha256=content_hash(local), source=source)
+        return model_ref(local, content_hash(local), source=source)
     info = source_info(src)
-    return dir_ref(info["path"], sha256=info.get("content_hash") or content_hash(info["path"]), source=source)
+    return model_ref(info["path"], info.get("content_hash") or content_hash(info["path"]), source=source)
+
+
+def checkpoint_ref(path: str | Path, stage: str = "convert") -> dict:
+    """A pipeline checkpoint directory as a model ref; one clear error naming the stage that makes it."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        what = "fine-tuned" if stage == "finetune" else "converted"
+        raise TransMLAError(f"No {what} checkpoint at {p}.", f"run the {stage} flow (or dvc repro) first.")
+    return model_ref(p, content_hash(p))
+
+
+def spec_of(ref: dict) -> GQASpec:
+    """The model's shapes from its config.json alone (no weights loaded)."""
+    from transformers import AutoConfig
+
+    return read_spec(AutoConfig.from_pretrained(ref["path"]))
 
 
 def dataset_ref(name: str, data_dir=None) -> dict:

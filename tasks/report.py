@@ -14,6 +14,31 @@ COLUMNS = (("MMLU", "mmlu"), ("ARC", "arc_mean"), ("PIQA", "piqa"), ("HS", "hell
 METHOD_NAMES = {"original": "Original", "mha2mla": "MHA2MLA", "transmla": "TransMLA"}
 
 
+def table_row(model: str, method: str, budget: float | None, ppl: dict, bench: dict, conversion: dict | None,
+              limit: int | None) -> dict:
+    """One Table-1 row (reports/metrics/<model>/<variant>.json) from an evaluation's results."""
+    tokens = ((conversion or {}).get("finetune") or {}).get("tokens_trained", 0)
+    return {
+        "model": model, "method": method, "budget": budget, "finetuned": tokens > 0,
+        "kv_cache_ratio": 1.0 if conversion is None else conversion["kv_cache_ratio"],
+        "qk_rope_head_dim": None if conversion is None else conversion["qk_rope_head_dim"],
+        "kv_lora_rank": None if conversion is None else conversion["kv_lora_rank"],
+        "tokens_trained": tokens,
+        "ppl": ppl["ppl"], "ppl_tokens": ppl["tokens"],
+        "average": bench["average"], "arc_mean": bench.get("arc_mean"),
+        "benchmarks": {t: v["value"] for t, v in bench["tasks"].items()},
+        "benchmark_n": {t: v["n"] for t, v in bench["tasks"].items()},
+        "eval_limit": limit, "seconds": {"ppl": ppl["seconds"], "benchmarks": bench["seconds"]},
+    }
+
+
+def tracked_metrics(row: dict) -> dict:
+    """The MLflow metrics of a Table-1 row."""
+    return {"wikitext2_ppl": row["ppl"], "average": row["average"], "arc": row["arc_mean"],
+            "kv_cache_ratio": row["kv_cache_ratio"], "kv_cache_reduction": 1 - row["kv_cache_ratio"],
+            "tokens_trained": row["tokens_trained"], **{f"bench.{t}": v for t, v in row["benchmarks"].items()}}
+
+
 def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
 

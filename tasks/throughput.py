@@ -32,7 +32,7 @@ from .figures import _plt, _save
 RUNS = (("original", "original", "hf"), ("converted hf", "converted", "hf"), ("converted absorb", "converted", "absorb"))
 
 
-@cached_task("throughput", code=("transmla/runtime/throughput.py", "transmla/runtime/absorb.py"))
+@cached_task("throughput")
 def throughput(original: dict, converted: dict, contexts: list[int], batch: int, steps: int,
                full_contexts: list[int], threads: int | None, cache_memory_gib: float, device: str = "cpu") -> dict:
     """-> ref to {"decode": [rows], "full": [rows], "kv": {...}} for the three backends."""
@@ -59,7 +59,7 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
     return save_json("throughput", out)
 
 
-@cached_task("vllm_throughput", code=("transmla/runtime/serving.py", "transmla/runtime/vllm_env.py", "transmla/runtime/vllm_runner.py"))
+@cached_task("vllm_throughput")
 def vllm_throughput(original: dict, converted: dict, contexts: list[int], requests: int, threads: int | None) -> dict:
     """vLLM's offline throughput (paper protocol: `requests` random prompts, input = output = context / 2)
     of the original and of the converted model, padded to the MLA sizes vLLM's kernels serve
@@ -149,3 +149,32 @@ def plot_fig6(result: dict, title: str, path: Path) -> str:
     ax.legend(fontsize=8)
     ax.set_ylim(0, max(2.0, math.ceil(max(y for pts in speedups(result).values() for _, y in pts) + 0.5)))
     return _save(fig, path)
+
+
+def write_report(result: dict, title: str, dest: Path) -> None:
+    """reports/throughput/<model>/<variant>/: results.json, throughput.md (with the vLLM check), Fig. 6."""
+    import json
+
+    from transmla.io.paths import atomic_dir
+
+    text = table(result, title)
+    v = result["vllm"]
+    text += f"\nvLLM serving check: **{v['status']}**" + (f" ({v['reason']})" if v.get("reason") else "") + "\n"
+    for line in v.get("details", []):
+        text += f"- {line}\n"
+    with atomic_dir(dest) as tmp:
+        (tmp / "results.json").write_text(json.dumps(result, indent=2, default=str))
+        (tmp / "throughput.md").write_text(text)
+        plot_fig6(result, title, tmp / "fig6_speedup.png")
+
+
+def tracked(result: dict) -> dict:
+    """MLflow metrics, curves (step = context length) and tags of a throughput result."""
+    v = result["vllm"]
+    history = {f"throughput.speedup.{run.replace(' ', '_')}": points for run, points in speedups(result).items()}
+    for r in result["decode"]:
+        history.setdefault(f"throughput.decode_tokens_per_s.{r['run'].replace(' ', '_')}", []).append(
+            (r["context"], r["decode_tokens_per_s"]))
+    return {"metrics": {"throughput.kv_capacity_ratio": result["kv"]["converted absorb"]["capacity_ratio"],
+                        "throughput.vllm_serving_ok": float(v["status"] == "passed")},
+            "history": history, "tags": {"throughput.vllm": v["status"]}}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -93,13 +92,23 @@ def log(client, run_id: str, params: dict | None = None, metrics: dict | None = 
     for i in range(0, max(len(ms), 1), 1000):  # MLflow's batch limit
         client.log_batch(run_id, metrics=ms[i : i + 1000], params=new_params if i == 0 else [],
                          tags=[RunTag(k, str(v)[:5000]) for k, v in _flatten(tags or {}).items()] if i == 0 else [])
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, obj in (artifacts or {}).items():
-            p = Path(tmp) / name
-            p.write_text(json.dumps(obj, indent=2, default=str))
-            client.log_artifact(run_id, str(p))
+    for name, obj in (artifacts or {}).items():
+        client.log_dict(run_id, json.loads(json.dumps(obj, default=str)), name)
     for f in files:
         client.log_artifact(run_id, str(f))
+
+
+def track(experiment: str, model: str, method: str, budget: float | None, *, config: dict | None = None,
+          finetuned: bool = False, **logged) -> None:
+    """Log into the (model, method, budget[, fine-tuned]) run: the one call every flow makes."""
+    client, run_id = stage_run(experiment, model, method, budget, config, finetuned)
+    log(client, run_id, **logged)
+
+
+def log_files(experiment: str, model: str, files: list) -> None:
+    """Files (the table, figures) into the model's pipeline run."""
+    client, exp_id = _client(experiment)
+    log(client, pipeline_run(client, exp_id, model), files=files)
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -14,11 +14,13 @@ from transformers import AutoModelForCausalLM
 from transmla.adapters import attention_weights, read_spec
 from transmla.method.bkv import joint_basis
 from transmla.method.calibration import calibration_ids, collect_stats
-from transmla.convert import ConvertOptions, assemble, convert, convert_layers, layer_rotation, resolve_budget
+from transmla.convert import ConvertOptions, assemble, convert, convert_layers, resolve_budget
+from transmla.pipeline.rotation import rotation_step
 from transmla.io.data import load_texts
 from transmla.errors import TransMLAError
 from transmla.io.export import instantiate
-from transmla.method.mla import LATENT_NORM_EPS, build_mla_layer, norm_identity_scale
+from transmla.config import LATENT_NORM_EPS
+from transmla.method.mla import build_mla_layer, norm_identity_scale
 from transmla.method.rope import inv_freq, lossless_plan, standard_plan
 from transmla.method.rorope import KeyRotation, rorope
 from transmla.io.sources import load_model
@@ -50,7 +52,7 @@ def _in_memory(tiny, o, rot_fn=None, rank=None):
     if rank is not None:
         budget = replace(budget, kv_lora_rank=rank)
     layers, _ = convert_layers(model, stats, spec, budget, o, progress=False)
-    return instantiate(*assemble(model, spec, budget, layers, o, {}))
+    return instantiate(*assemble(model, spec, budget, layers, o))
 
 
 def merge_only_rotation(g, d):
@@ -76,7 +78,7 @@ def test_head_merge_is_exact(tiny):
         rot = merge_only_rotation(spec.g, spec.d)
         basis = joint_basis(torch.zeros(0, spec.D, dtype=torch.float64), w.wv, stats.second_moment(i), spec.g * spec.d)
         layers.append(build_mla_layer(w, rot, basis, spec.h, spec.g, spec.d, stats.second_moment(i), stats.mean(i))[0])
-    mla = instantiate(*assemble(model, spec, budget, layers, o, {}))
+    mla = instantiate(*assemble(model, spec, budget, layers, o))
     ids = _text_ids(tok)
     assert (_logprobs(mla, ids) - _logprobs(model, ids)).abs().max() < 1e-4
 
@@ -169,7 +171,7 @@ def test_export_format(tiny, tmp_path, tiny_model_dir):
     assert cfg["qk_rope_head_dim"] + cfg["kv_lora_rank"] == spec.g * spec.d  # 50% of 2 g d
     t = cfg["transmla"]
     assert t["method"] == "transmla" and t["source_content_hash"] and t["kv_cache_ratio"] == 0.5
-    assert t["seconds"] > 0 and t["peak_rss_gib"] > 0
+    assert "seconds" not in t and t["calibration_tokens"] == 8 * 64  # a deterministic record: no timings
     from safetensors import safe_open
 
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -183,9 +185,9 @@ def test_low_rank_q(tiny):
     ids = _text_ids(tok)
     base = ConvertOptions(qk_rope_dim=8, freqfold=2, **CAL)
     ref = _logprobs(_in_memory(tiny, base), ids)
-    full = _logprobs(_in_memory(tiny, replace(base, q_lora_rank=spec.D)), ids)
+    full = _logprobs(_in_memory(tiny, base.replace(q_lora_rank=spec.D)), ids)
     assert (full - ref).abs().max() < 1e-3
-    low = _logprobs(_in_memory(tiny, replace(base, q_lora_rank=8)), ids)
+    low = _logprobs(_in_memory(tiny, base.replace(q_lora_rank=8)), ids)
     assert torch.isfinite(low).all() and (low - ref).abs().max() > 1e-3
 
 
@@ -254,7 +256,7 @@ def test_mha2mla_selects_whole_pairs_and_exports(tiny):
     model, tok, spec, stats = tiny
     o = ConvertOptions(method="mha2mla", qk_rope_dim=8, kv_lora_rank=16, **CAL)
     budget = resolve_budget(spec, o)
-    rot = layer_rotation(attention_weights(model, 0), stats, 0, spec, budget, o)
+    rot = rotation_step(attention_weights(model, 0), stats.moments(0), spec, budget.plan, **o.rotation_options())
     assert torch.equal(rot.T.abs().sum(0), torch.ones(spec.g * spec.d, dtype=torch.float64))  # permutation
     half = spec.d // 2
     for p in range(4):  # the imaginary row of each RoPE pair is its real row's partner (+d/2)

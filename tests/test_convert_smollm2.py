@@ -47,6 +47,6 @@ def test_transmla_bkv_beats_mha2mla(calibrated, rope_dim, rank):
         o = ConvertOptions(method=method, qk_rope_dim=rope_dim, kv_lora_rank=rank, freqfold=4)
         budget = resolve_budget(spec, o)
         layers, _ = convert_layers(model, stats, spec, budget, o, progress=False)
-        mla = use_causal_padded_sdpa(instantiate(*assemble(model, spec, budget, layers, o, {})))
+        mla = use_causal_padded_sdpa(instantiate(*assemble(model, spec, budget, layers, o)))
         ppl[method] = perplexity(mla, ids, 2048, max_tokens=8192, progress=False)["ppl"]
     assert ppl["transmla"] < ppl["mha2mla"], ppl

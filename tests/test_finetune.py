@@ -151,9 +151,9 @@ def test_attention_mode_trains_only_mla_projections(converted, blocks, tmp_path)
 
 def test_bad_config_and_unconverted_model(tiny_model_dir, blocks, tmp_path):
     with pytest.raises(TransMLAError, match="mode"):
-        _cfg(mode="lora").validate()
+        _cfg(mode="lora")
     with pytest.raises(TransMLAError, match="float16"):
-        _cfg(dtype="float16").validate()
+        _cfg(dtype="float16")
     original, _ = load_model(str(tiny_model_dir))
     with pytest.raises(TransMLAError, match="convert the model first"):
         finetune(original, blocks[0], blocks[1], _cfg(), str(tmp_path))

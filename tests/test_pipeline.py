@@ -64,8 +64,8 @@ class Counter:
         self.n = {}
         import tasks.finetune
 
-        for mod, name, label in ((tasks.calibrate, "collect_stats", "stats"), (tasks.rorope, "_layer_rotation", "rotation"),
-                                 (tasks.bkv, "_layer_basis", "basis"), (tasks.evaluate, "_perplexity", "ppl"),
+        for mod, name, label in ((tasks.calibrate, "collect_stats", "stats"), (tasks.rorope, "rotation_step", "rotation"),
+                                 (tasks.bkv, "basis_step", "basis"), (tasks.evaluate, "dataset_perplexity", "ppl"),
                                  (tasks.evaluate, "evaluate", "benchmarks"),
                                  (tasks.finetune, "finetune_on_corpora", "finetune")):
             monkeypatch.setattr(mod, name, self._wrap(getattr(mod, name), label))
@@ -146,12 +146,12 @@ def test_task_key_is_content_addressed(tmp_path):
 
     a, b = tmp_path / "a.bin", tmp_path / "b.bin"
     a.write_bytes(b"same"), b.write_bytes(b"same")
-    k = task_key("t", ("transmla/method/bkv.py",), {"x": file_ref(a), "r": 4})
-    assert k == task_key("t", ("transmla/method/bkv.py",), {"r": 4, "x": file_ref(b)})  # same content, other path
-    assert k != task_key("t", ("transmla/method/bkv.py",), {"x": file_ref(a), "r": 5})
-    assert k != task_key("t", ("transmla/method/rorope.py",), {"x": file_ref(a), "r": 4})  # other code
+    k = task_key("t", "tasks.bkv", {"x": file_ref(a), "r": 4})
+    assert k == task_key("t", "tasks.bkv", {"r": 4, "x": file_ref(b)})  # same content, other path
+    assert k != task_key("t", "tasks.bkv", {"x": file_ref(a), "r": 5})
+    assert k != task_key("t", "tasks.rorope", {"x": file_ref(a), "r": 4})  # other code
     b.write_bytes(b"other")
-    assert k != task_key("t", ("transmla/method/bkv.py",), {"x": file_ref(b), "r": 4})
+    assert k != task_key("t", "tasks.bkv", {"x": file_ref(b), "r": 4})
 
 
 def test_convert_cache_keys(tmp_path, tiny_dir, monkeypatch):

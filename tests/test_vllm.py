@@ -126,7 +126,7 @@ def test_runner_imports_only_vllm_torch_stdlib():
     """vllm_runner.py runs in the vLLM env, which has no transmla dependencies."""
     import sys
 
-    path = Path(__file__).resolve().parents[1] / "transmla" / "vllm_runner.py"
+    path = Path(__file__).resolve().parents[1] / "transmla" / "runtime" / "vllm_runner.py"
     roots = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):

@@ -11,11 +11,21 @@ import json
 import os
 import sys
 
+from transmla.config import FINETUNE_CORPORA, FREQFOLDS, METHODS, ConvertOptions, EvaluationOptions, FinetuneConfig
 from transmla.errors import TransMLAError
 from transmla.io.paths import write_text_atomic
 from transmla.io.sources import DEFAULT_SOURCE, SYNTAX_HELP
 
 SOURCE_HELP = f"model source (default {DEFAULT_SOURCE}); {SYNTAX_HELP}"
+CO, EV = ConvertOptions.model_fields, EvaluationOptions.model_fields
+FINETUNE_HELP = {
+    "mode": "full: every weight; attention: only the MLA projections",
+    "max_tokens": "training tokens",
+    "schedule": "learning-rate schedule, with linear warmup",
+    "val_tokens": "held-out tokens for the validation loss",
+    "eval_every": "steps between validation losses and resumable checkpoints",
+    "dtype": "bfloat16 = mixed precision",
+}
 
 
 def _offline_defaults() -> None:
@@ -43,7 +53,7 @@ def cmd_ppl(args) -> dict:
 
 
 def cmd_convert(args) -> dict:
-    from transmla.convert import ConvertOptions, convert
+    from transmla.convert import convert
 
     opts = ConvertOptions(
         method=args.method, kv_cache_ratio=args.kv_cache_ratio, qk_rope_dim=args.qk_rope_dim,
@@ -77,11 +87,7 @@ def cmd_finetune(args) -> dict:
     from transmla.io.paths import new_output_dir
     from transmla.io.sources import load_model
 
-    cfg = FinetuneConfig(mode=args.mode, max_tokens=args.max_tokens, seqlen=args.seqlen, batch_size=args.batch_size,
-                         grad_accum=args.grad_accum, lr=args.lr, schedule=args.schedule, warmup_ratio=args.warmup_ratio,
-                         val_tokens=args.val_tokens, eval_every=args.eval_every, dtype=args.dtype, device=args.device,
-                         seed=args.seed)
-    cfg.validate()
+    cfg = FinetuneConfig(**{k: getattr(args, k) for k in FinetuneConfig.model_fields})
     out = new_output_dir(args.out)  # fail before hours of training, not after
     model, tok = load_model(args.model, dtype="float32", device=args.device, cache=args.cache_dir)
     names = [c.strip() for c in args.corpora.split(",") if c.strip()]
@@ -114,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="WikiText-2 test perplexity: rows joined with blank lines, tokenised once, "
                                    "non-overlapping windows, mean NLL over all predicted tokens.")
     q.add_argument("--model", default=DEFAULT_SOURCE, help=SOURCE_HELP)
-    q.add_argument("--seqlen", type=int, default=2048, help="window length in tokens (default 2048)")
+    q.add_argument("--seqlen", type=int, default=EV["ppl_seqlen"].default, help="window length in tokens")
     q.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
     q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype (default float32)")
     q.add_argument("--device", default="cpu", help="torch device (default cpu)")
@@ -126,23 +132,24 @@ def build_parser() -> argparse.ArgumentParser:
                                    "MLA checkpoint: merge KV heads, RoRoPE + FreqFold, BKV joint PCA.")
     c.add_argument("--model", default=DEFAULT_SOURCE, help=SOURCE_HELP)
     c.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    c.add_argument("--method", default="transmla", choices=["transmla", "mha2mla"], help="transmla (default) or the MHA2MLA baseline")
+    c.add_argument("--method", default=CO["method"].default, choices=METHODS, help="transmla (default) or the MHA2MLA baseline")
     c.add_argument("--kv-cache-ratio", type=float, default=None,
                    help="target fraction of the original per-token KV cache (e.g. 0.125 = 87.5%% cut); picks rope dim and rank")
     c.add_argument("--qk-rope-dim", type=int, default=None, help="RoPE dims kept (qk_rope_head_dim; must divide head dim)")
     c.add_argument("--kv-lora-rank", type=int, default=None, help="latent rank of the compressed KV")
-    c.add_argument("--freqfold", type=int, default=4, choices=[1, 2, 4, 8], help="adjacent frequencies per RoRoPE PCA (default 4)")
+    c.add_argument("--freqfold", type=int, default=CO["freqfold"].default, choices=FREQFOLDS,
+                   help=f"adjacent frequencies per RoRoPE PCA (default {CO['freqfold'].default})")
     c.add_argument("--q-lora-rank", type=int, default=None, help="low-rank queries from PCA of query activations")
     c.add_argument("--no-balance-kv", action="store_true", help="ablation: skip the key/value norm balancing")
     c.add_argument("--attention-aware", action="store_true",
                    help="extension: joint PCA weighted by query and o_proj metrics (what attention actually uses)")
-    c.add_argument("--pca", default="activations", choices=["activations", "weights"], help="joint KV PCA basis source")
+    c.add_argument("--pca", default=CO["pca"].default, choices=["activations", "weights"], help="joint KV PCA basis source")
     c.add_argument("--lossless", action="store_true", help="keep RoPE on all g*d key dims, no rank cut (exact)")
-    c.add_argument("--cal-nsamples", type=int, default=128, help="calibration sequences (default 128)")
-    c.add_argument("--cal-seqlen", type=int, default=256, help="tokens per calibration sequence (default 256)")
-    c.add_argument("--seed", type=int, default=42, help="calibration sampling seed")
-    c.add_argument("--dtype", default="float32", help="exported weight dtype: float32 or bfloat16 (float16 is refused)")
-    c.add_argument("--device", default="cpu", help="torch device for calibration (default cpu)")
+    c.add_argument("--cal-nsamples", type=int, default=CO["cal_nsamples"].default, help="calibration sequences")
+    c.add_argument("--cal-seqlen", type=int, default=CO["cal_seqlen"].default, help="tokens per calibration sequence")
+    c.add_argument("--seed", type=int, default=CO["seed"].default, help="calibration sampling seed")
+    c.add_argument("--dtype", default=CO["dtype"].default, help="exported weight dtype: float32 or bfloat16 (float16 is refused)")
+    c.add_argument("--device", default=CO["device"].default, help="torch device for calibration")
     c.add_argument("--latent-norm-eps", type=float, default=None,
                    help="eps of the target runtime's kv_a_layernorm (default 1e-6, transformers' fixed value; "
                         "vLLM uses config.rms_norm_eps)")
@@ -154,36 +161,26 @@ def build_parser() -> argparse.ArgumentParser:
                                    "same command again after an interruption resumes from the last checkpoint.")
     t.add_argument("--model", required=True, help="converted model directory (transmla convert --out)")
     t.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    t.add_argument("--corpora", default="c4-demo,wiki-demo,wikitext2-train", help="comma list of data sets")
-    t.add_argument("--mode", default="full", choices=["full", "attention"], help="train every weight or only the MLA projections")
-    t.add_argument("--max-tokens", type=int, default=122_880, help="training tokens (default 122,880 = 30 steps of 8 x 512)")
-    t.add_argument("--seqlen", type=int, default=512)
-    t.add_argument("--batch-size", type=int, default=8)
-    t.add_argument("--grad-accum", type=int, default=1)
-    t.add_argument("--lr", type=float, default=1e-4)
-    t.add_argument("--schedule", default="constant", choices=["constant", "cosine"], help="with linear warmup")
-    t.add_argument("--warmup-ratio", type=float, default=0.08)
-    t.add_argument("--val-tokens", type=int, default=16_384, help="held-out tokens for the validation loss")
-    t.add_argument("--eval-every", type=int, default=10, help="steps between validation losses and checkpoints")
-    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 = mixed precision")
-    t.add_argument("--device", default="cpu")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--corpora", default=",".join(FINETUNE_CORPORA), help="comma list of data sets")
+    for name, field in FinetuneConfig.model_fields.items():  # one flag per config field, same defaults
+        choices = getattr(field.annotation, "__args__", None) if "Literal" in str(field.annotation) else None
+        kind = type(field.default) if field.default is not None else str
+        t.add_argument("--" + name.replace("_", "-"), type=kind, default=field.default, choices=choices,
+                       help=FINETUNE_HELP.get(name, "") + f" (default {field.default})")
     t.add_argument("--work-dir", default=None, help="Trainer checkpoints (default: .<out>.trainer beside --out)")
     t.set_defaults(func=cmd_finetune)
-
-    from transmla.evaluation.benchmarks import TASKS
 
     e = sub.add_parser("eval", parents=[common], help="six-benchmark evaluation with lm-eval (offline)",
                        description="Zero-shot MMLU, ARC-Easy, ARC-Challenge, PIQA, HellaSwag, OpenBookQA and "
                                    "WinoGrande with lm-evaluation-harness on the local data files. The paper's "
                                    "ARC column is the mean of ARC-Easy and ARC-Challenge (arc_mean).")
     e.add_argument("--model", default=DEFAULT_SOURCE, help=SOURCE_HELP)
-    e.add_argument("--tasks", default=",".join(TASKS), help=f"comma list (default all: {','.join(TASKS)})")
-    e.add_argument("--limit", type=int, default=None,
+    e.add_argument("--tasks", default=",".join(EV["tasks"].default), help="comma list (default all six Table-1 benchmarks)")
+    e.add_argument("--limit", type=int, default=EV["limit"].default,
                    help="docs per task (per MMLU subject), a seeded random subset; default: all")
     e.add_argument("--num-fewshot", type=int, default=0, help="few-shot examples (default 0, as in the paper)")
-    e.add_argument("--batch-size", default="8", help="lm-eval batch size (int or 'auto')")
-    e.add_argument("--seed", type=int, default=1234, help="seed for sampling and lm-eval")
+    e.add_argument("--batch-size", default=str(EV["batch_size"].default), help="lm-eval batch size (int or 'auto')")
+    e.add_argument("--seed", type=int, default=EV["seed"].default, help="seed for sampling and lm-eval")
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     e.add_argument("--device", default="cpu")
     e.add_argument("--out", default=None, help="directory for results.json and samples/<task>.jsonl")

@@ -23,7 +23,7 @@ from transmla.io.data import load_rows, local_path
 from transmla.errors import TransMLAError
 from transmla.io.paths import write_text_atomic
 
-TASKS = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")
+from transmla.config import BENCHMARKS as TASKS
 PREFIX = "offline_"
 
 # task -> (lm-eval YAML relative to lm_eval/tasks, {split: registry data set}, splits absent offline)
@@ -35,6 +35,8 @@ SINGLE = {
     "openbookqa": ("openbookqa/openbookqa.yaml", {"test": "openbookqa"}, ("training_split", "validation_split")),
     "winogrande": ("winogrande/default.yaml", {"validation": "winogrande"}, ("training_split",)),
 }
+# The data sets each benchmark reads (they join an evaluation's cache key).
+BENCHMARK_DATA = {t: list(splits.values()) for t, (_, splits, _) in SINGLE.items()} | {"mmlu": ["mmlu_test", "mmlu_dev"]}
 # The metric each Table-1 column reports (acc_norm where lm-eval/MHA2MLA report it).
 COLUMN_METRIC = {
     "mmlu": "acc", "arc_easy": "acc_norm", "arc_challenge": "acc_norm", "piqa": "acc_norm",

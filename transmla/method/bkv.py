@@ -41,6 +41,17 @@ class JointBasis:
     def rank(self) -> int:
         return self.P.shape[1]
 
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        t = {"P": self.P, "alpha": torch.tensor([self.alpha], dtype=torch.float64),
+             "energy": torch.tensor([self.energy], dtype=torch.float64)}
+        if self.metric_k is not None:
+            t.update(metric_k=self.metric_k, metric_v=self.metric_v)
+        return t
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> "JointBasis":
+        return cls(float(t["alpha"].item()), t["P"], float(t["energy"].item()), t.get("metric_k"), t.get("metric_v"))
+
     def encoder(self, wk_nope: torch.Tensor, wv: torch.Tensor) -> torch.Tensor:
         """Rows whose projection on P is the cached latent: [M_k W_k_nope / alpha ; M_v W_v]."""
         k = wk_nope if self.metric_k is None else self.metric_k @ wk_nope
@@ -81,17 +92,18 @@ def attention_metrics(w, T: torch.Tensor, rope_dim: int, xx, mu, h: int, g: int,
     W_O,i^T W_O,i. PCA of [Q^1/2 k_nope ; O^1/2 v] minimises these (up to the alpha balance).
     """
     from transmla.method.linalg import affine_second_moment
+    from transmla.method.merge import kv_block
 
     L, R = g * d, rope_dim
     Q = torch.zeros(L - R, L - R, dtype=torch.float64)
     O = torch.zeros(L, L, dtype=torch.float64)
     for i in range(h):
-        j = i // (h // g)
-        B = T[R:, j * d : (j + 1) * d]
+        blk = kv_block(i, h, g, d)
+        B = T[R:, blk]
         bq = None if w.bq is None else w.bq[i * d : (i + 1) * d]
         Q += B @ affine_second_moment(w.wq[i * d : (i + 1) * d], bq, xx, mu) @ B.T
         Wo = w.wo[:, i * d : (i + 1) * d]
-        O[j * d : (j + 1) * d, j * d : (j + 1) * d] += Wo.T @ Wo
+        O[blk, blk] += Wo.T @ Wo
     return _psd_sqrt(Q), _psd_sqrt(O)
 
 

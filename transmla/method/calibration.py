@@ -14,6 +14,7 @@ code keeps every q/k/v activation instead).
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -33,6 +34,25 @@ def calibration_ids(tokenizer, texts: list[str], nsamples: int, seqlen: int, see
     return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])
 
 
+@dataclass
+class LayerMoments:
+    """What every conversion step of one layer needs from calibration: moments of its attention input.
+
+    xx = E[x x^T] [D, D], mean = E[x] [D], float64. In `parallel` calibration they come from the
+    original model (CalibrationStats); a layer-by-layer calibration produces them per layer instead.
+    """
+
+    xx: torch.Tensor
+    mean: torch.Tensor
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        return {"xx": self.xx, "mean": self.mean}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> "LayerMoments":
+        return cls(t["xx"], t["mean"])
+
+
 class CalibrationStats:
     """Per-layer sums of x x^T and x over `n` tokens (float64)."""
 
@@ -46,6 +66,13 @@ class CalibrationStats:
     def mean(self, layer: int) -> torch.Tensor:
         """E[x], [D]."""
         return self.xsum[layer] / self.n
+
+    def moments(self, layer: int) -> LayerMoments:
+        return LayerMoments(self.second_moment(layer), self.mean(layer))
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.xx)
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         out = {"n": torch.tensor([self.n], dtype=torch.int64)}

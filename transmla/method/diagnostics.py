@@ -51,3 +51,21 @@ def kv_dim_rms(wk_nope: torch.Tensor, wv: torch.Tensor, xx: torch.Tensor, alpha:
 
     return affine_diag(wk_nope, None, xx, xx.new_zeros(xx.shape[0])).clamp_min(0).sqrt() / alpha, \
         affine_diag(wv, None, xx, xx.new_zeros(xx.shape[0])).clamp_min(0).sqrt()
+
+
+def key_norm_series(wk: torch.Tensor, bk: torch.Tensor | None, xx: torch.Tensor, mu: torch.Tensor,
+                    rotations: dict) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Paper Fig. 4a: per-dimension key RMS of the original merged key and after each rotation
+    ({label: KeyRotation}); returns (series, captured RoPE energy per rotation)."""
+    series = {"original": key_dim_rms(wk, bk, xx, mu).tolist()}
+    for label, rot in rotations.items():
+        series[label] = key_dim_rms(wk, bk, xx, mu, rot.T).tolist()
+    return series, {label: rot.energy for label, rot in rotations.items()}
+
+
+def balance_norms(wk: torch.Tensor, wv: torch.Tensor, xx: torch.Tensor, rot, alpha: float) -> dict[str, list[float]]:
+    """Paper Fig. 5: per-dimension RMS of the NoPE keys before and after dividing by the BKV alpha, and of the values."""
+    wk_nope = rot.T[rot.rope_dim:] @ wk
+    k_before, v = kv_dim_rms(wk_nope, wv, xx)
+    k_after, _ = kv_dim_rms(wk_nope, wv, xx, alpha)
+    return {"k_before": k_before.tolist(), "k_after": k_after.tolist(), "v": v.tolist()}

@@ -26,16 +26,17 @@ import torch
 
 from transmla.adapters import AttentionWeights
 from transmla.method.bkv import JointBasis
+from transmla.config import LATENT_NORM_EPS
 from transmla.errors import TransMLAError
 from transmla.method.linalg import affine_second_moment, eigh_desc
+from transmla.method.merge import kv_block
 from transmla.method.rope import interleave_index
 from transmla.method.rorope import KeyRotation
 
-# transformers' DeepseekV3 builds kv_a_layernorm / q_a_layernorm with its default eps, 1e-6, not
-# config.rms_norm_eps. The identity construction depends on that eps, so it is a parameter
-# (`latent_norm_eps`) and recorded in the export; changing the decoder norms' eps instead is not an
-# option (measured on SmolLM2: 1e-5 -> 1e-6 moves log-probs by up to 0.035).
-LATENT_NORM_EPS = 1e-6
+# transformers' DeepseekV3 builds kv_a_layernorm / q_a_layernorm with its default eps (config.
+# LATENT_NORM_EPS), not config.rms_norm_eps. The identity construction depends on that eps, so it is
+# a parameter (`latent_norm_eps`) and recorded in the export; changing the decoder norms' eps instead
+# is not an option (measured on SmolLM2: 1e-5 -> 1e-6 moves log-probs by up to 0.035).
 # Norm identity: tokens with up to NORM_HEADROOM x the average latent energy stay within
 # NORM_TOL relative error.
 NORM_HEADROOM = 1e4
@@ -71,6 +72,18 @@ class MLALayer:
         }
         return {prefix + k: v.to(dtype).contiguous() for k, v in names.items() if v is not None}
 
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """float64 weights under DeepseekV3Attention's parameter names."""
+        return self.state_dict("", torch.float64)
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> "MLALayer":
+        g = t.get
+        return cls(kv_a_proj=t["kv_a_proj_with_mqa.weight"], kv_a_bias=g("kv_a_proj_with_mqa.bias"),
+                   kv_a_norm=t["kv_a_layernorm.weight"], kv_b_proj=t["kv_b_proj.weight"], o_proj=t["o_proj.weight"],
+                   o_bias=g("o_proj.bias"), q_proj=g("q_proj.weight"), q_a_proj=g("q_a_proj.weight"),
+                   q_a_bias=g("q_a_proj.bias"), q_a_norm=g("q_a_layernorm.weight"), q_b_proj=g("q_b_proj.weight"))
+
 
 def norm_identity_scale(mean_sq: float, eps: float) -> float:
     """s such that RMSNorm(c / s) * s sqrt(eps) = c to NORM_TOL for mean(c^2) up to HEADROOM x mean_sq.
@@ -92,8 +105,7 @@ def query_weights(w: AttentionWeights, rot: KeyRotation, h: int, g: int, d: int)
     bq = None if w.bq is None else w.bq.view(h, d)
     rows, biases = [], []
     for i in range(h):
-        j = i // (h // g)
-        Tj = rot.T[:R, j * d : (j + 1) * d][il]  # [R, d]
+        Tj = rot.T[:R, kv_block(i, h, g, d)][il]  # [R, d]: RoRoPE of the merged key, seen by head i
         rows += [wq[i], Tj @ wq[i]]
         if bq is not None:
             biases += [bq[i], Tj @ bq[i]]
@@ -133,8 +145,8 @@ def build_mla_layer(
     # kv_b_proj rows per head: [W_UK_i (d) ; W_UV_i (d)]
     kv_b = []
     for i in range(h):
-        j = i // (h // g)
-        kv_b += [T[R:, j * d : (j + 1) * d].T @ Pk, Pv[j * d : (j + 1) * d]]
+        blk = kv_block(i, h, g, d)
+        kv_b += [T[R:, blk].T @ Pk, Pv[blk]]
     kv_b = torch.cat(kv_b, 0)
 
     # o_proj; the value bias moves here: sum_t a_t (v_t + b) = sum_t a_t v_t + b

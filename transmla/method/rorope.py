@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from transmla.config import FREQFOLDS
 from transmla.errors import TransMLAError
 from transmla.method.linalg import eigh_desc
-
-FREQFOLDS = (1, 2, 4, 8)
 
 
 @dataclass
@@ -41,6 +40,14 @@ class KeyRotation:
     @property
     def rope_dim(self) -> int:
         return 2 * len(self.plan)
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        return {"T": self.T, "plan": torch.tensor(self.plan, dtype=torch.int64),
+                "energy": torch.tensor([self.energy], dtype=torch.float64)}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> "KeyRotation":
+        return cls(t["T"].to(torch.float64), t["plan"].tolist(), float(t["energy"].item()))
 
 
 def _pair_indices(g: int, d: int, freqs: range) -> tuple[list[int], list[int]]:

@@ -19,7 +19,6 @@ a failed or interrupted creation leaves no stamp and the next call resumes it.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import math
 import os
@@ -27,8 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
+
+from filelock import FileLock
 
 from transmla.errors import TransMLAError
 from transmla.io.paths import REPO_ROOT
@@ -89,15 +89,10 @@ def _run(cmd: list[str], what: str, fix: str, env: dict | None = None, log=None)
     return proc.stdout
 
 
-@contextmanager
-def _lock(root: Path):
+def _lock(root: Path) -> FileLock:
+    """An exclusive lock on the env (use with `with`): two processes creating it wait for each other."""
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".transmla-vllm.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # two processes creating the same env wait for each other
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    return FileLock(root / ".transmla-vllm.lock")
 
 
 def runner_env(kv_cache_gib: int = 1, threads: int | None = None) -> dict:

@@ -24,65 +24,16 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
 
 import torch
 
+from transmla.config import FinetuneConfig
 from transmla.errors import TransMLAError
 from transmla.runtime.fast_attention import use_causal_padded_sdpa
 from transmla.method.mla import norm_identity_scale
 
-MODES = ("full", "attention")
 SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine"}
 ATTENTION_PARAMS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-
-
-@dataclass
-class FinetuneConfig:
-    """What defines a fine-tune run (the params' `finetune:` section)."""
-
-    mode: str = "full"
-    max_tokens: int = 1_000_000  # training tokens (steps = ceil(max_tokens / (batch * accum * seqlen)))
-    seqlen: int = 512
-    batch_size: int = 8  # per device
-    grad_accum: int = 1
-    lr: float = 1e-4
-    schedule: str = "constant"  # constant (with warmup) | cosine (with warmup)
-    warmup_ratio: float = 0.03
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    val_tokens: int = 32_768  # held-out blocks for the validation loss
-    eval_every: int = 25  # steps between validation losses (and checkpoints)
-    log_every: int = 5
-    dtype: str = "float32"  # float32 | bfloat16 (mixed precision)
-    device: str = "cpu"
-    seed: int = 0
-
-    def validate(self) -> None:
-        def bad(what: str, fix: str):
-            raise TransMLAError(f"finetune: {what}.", fix)
-
-        if self.mode not in MODES:
-            bad(f"mode {self.mode!r} is unknown", f"use one of {list(MODES)}")
-        if self.schedule not in SCHEDULES:
-            bad(f"schedule {self.schedule!r} is unknown", f"use one of {list(SCHEDULES)}")
-        if self.dtype not in ("float32", "bfloat16"):
-            bad(f"dtype {self.dtype!r} is not trainable here", "use float32 or bfloat16 (float16 underflows the latent)")
-        for k in ("max_tokens", "seqlen", "batch_size", "grad_accum", "val_tokens", "eval_every", "log_every"):
-            if getattr(self, k) < 1:
-                bad(f"{k}={getattr(self, k)} must be >= 1", f"set {k} to a positive integer")
-        if not 0 <= self.warmup_ratio < 1:
-            bad(f"warmup_ratio={self.warmup_ratio} is not in [0, 1)", "use e.g. 0.03")
-        if self.lr <= 0:
-            bad(f"lr={self.lr} must be > 0", "use e.g. 1e-4 (the paper's SmolLM setting)")
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.batch_size * self.grad_accum * self.seqlen
-
-    @property
-    def max_steps(self) -> int:
-        return max(1, math.ceil(self.max_tokens / self.tokens_per_step))
 
 
 # ---------------------------------------------------------------- data
@@ -304,7 +255,6 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
     """
     from transformers import Trainer, default_data_collator
 
-    cfg.validate()
     check_stock_deepseek(model)
     torch.manual_seed(cfg.seed)
     unfold_latent_norms(model)
@@ -332,7 +282,7 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
     fold = fold_latent_norms(model, val[: max(1, min(len(val), 16))])
     steps_run = trainer.state.global_step - (_step_of(resume) if resume else 0)
     return {
-        "config": asdict(cfg),
+        "config": cfg.model_dump(),
         "params": counts,
         "val_loss_before": evals[0]["eval_loss"] if evals and evals[0]["step"] == 0 else None,
         "val_loss_after": final["eval_loss"],
@@ -379,7 +329,6 @@ def finetune_on_corpora(model, tokenizer, corpora: dict[str, list[str]], cfg: Fi
     import shutil
     from pathlib import Path
 
-    cfg.validate()
     check_stock_deepseek(model)
     train, val, data = pack_corpus(tokenizer, corpora, cfg.seqlen, cfg.val_tokens, cfg.seed, cfg.max_tokens)
     record = finetune(model, train, val, cfg, str(work_dir))

@@ -1,0 +1,133 @@
+"""The code a cached task can execute, computed from the source: never a hand-written list.
+
+closure(module) = the module, every project module it imports (anywhere in the file: top level or
+inside a function, absolute or relative), transitively, and the `__init__.py` of every package on
+the way (Python runs them on import). Project modules are those under transmla/, tasks/, flows/.
+The third-party distributions the closure imports (torch, transformers, lm-eval, ...) enter the key
+with their installed versions: lm-eval's task YAMLs supply the benchmark prompts, transformers and
+torch the numerics.
+
+`code_key(module)` is what a task's cache key hashes; dvc.yaml's code deps are generated from the
+same closures (flows/dag.py), so a DVC stage and the tasks inside it see the same code.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import importlib.metadata
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PROJECT = ("transmla", "tasks", "flows")
+
+
+class ImportProblem(RuntimeError):
+    """Project code imported in a way the closure cannot follow (a bug in this repository)."""
+
+
+def module_file(name: str) -> Path | None:
+    """The source file of a project module (package -> its __init__.py); None if not a project module."""
+    if name.split(".")[0] not in PROJECT:
+        return None
+    base = REPO_ROOT.joinpath(*name.split("."))
+    for p in (base.with_suffix(".py"), base / "__init__.py"):
+        if p.is_file():
+            return p
+    return None
+
+
+def _package_of(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+@functools.lru_cache(maxsize=None)
+def imports_of(name: str) -> tuple[frozenset[str], frozenset[str]]:
+    """(project modules, third-party top-level names) that module `name` imports anywhere in its file."""
+    path = module_file(name)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    pkg = _package_of(name, path)
+    project, external = set(), set()
+
+    def add(mod: str):
+        if mod.split(".")[0] in PROJECT:
+            if module_file(mod) is None:
+                raise ImportProblem(f"{path.relative_to(REPO_ROOT)} imports {mod}, which is not a module of this repository")
+            project.add(mod)
+        elif mod.split(".")[0] not in sys.stdlib_module_names and mod != "__future__":
+            external.add(mod.split(".")[0])
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                add(a.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = pkg.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module
+            add(mod)
+            for a in node.names:
+                sub = f"{mod}.{a.name}"
+                if mod.split(".")[0] in PROJECT and module_file(sub) is not None:
+                    project.add(sub)
+                elif mod == "transmla":
+                    # transmla/__init__ resolves its API names lazily (importlib), which this scan
+                    # cannot follow: project code imports them from their own modules.
+                    raise ImportProblem(f"{path.relative_to(REPO_ROOT)}: `from transmla import {a.name}`; "
+                                        "import it from its module (e.g. transmla.convert)")
+    return frozenset(project), frozenset(external)
+
+
+@functools.lru_cache(maxsize=None)
+def closure(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(sorted repo-relative files, sorted third-party top-level names) that importing `name` can run."""
+    seen: set[str] = set()
+    external: set[str] = set()
+    todo = [name]
+    while todo:
+        mod = todo.pop()
+        parts = mod.split(".")
+        for k in range(1, len(parts) + 1):  # the packages' __init__ run first
+            m = ".".join(parts[:k])
+            if m in seen or module_file(m) is None:
+                continue
+            seen.add(m)
+            proj, ext = imports_of(m)
+            external |= ext
+            todo.extend(proj - seen)
+    files = sorted(str(module_file(m).relative_to(REPO_ROOT)) for m in seen)
+    return tuple(files), tuple(sorted(external))
+
+
+@functools.lru_cache(maxsize=None)
+def file_digest(relpath: str) -> str:
+    with open(REPO_ROOT / relpath, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def _distributions() -> dict[str, list[str]]:
+    return importlib.metadata.packages_distributions()
+
+
+def package_versions(names) -> dict[str, str]:
+    """{distribution: version} of the third-party top-level modules `names` (unknown ones skipped)."""
+    out = {}
+    for n in names:
+        for dist in _distributions().get(n, []):
+            try:
+                out[dist] = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                pass
+    return dict(sorted(out.items()))
+
+
+def code_key(name: str) -> dict:
+    """What a task defined in module `name` can execute: its closure's file hashes and package versions."""
+    files, external = closure(name)
+    return {"files": {f: file_digest(f) for f in files}, "packages": package_versions(external)}

@@ -1,0 +1,123 @@
+"""Cache keys cannot go stale: a task's code key is the import closure of its module, computed.
+
+For every cached task: changing any module in its closure changes its key; changing a module
+outside it does not. The closure is computed from the source (tasks.codehash), so these tests pin
+the properties, not a list.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+import tasks  # noqa: F401  (Prefect defaults; conftest points the store at a temp dir)
+from tasks import artifacts, codehash
+
+REPO = Path(__file__).resolve().parent.parent
+TASK_MODULES = ("tasks.calibrate", "tasks.rorope", "tasks.bkv", "tasks.evaluate", "tasks.sweep", "tasks.finetune",
+                "tasks.throughput")
+
+
+def _cached_tasks():
+    import importlib
+
+    out = []
+    for mod in TASK_MODULES:
+        m = importlib.import_module(mod)
+        out += [(mod, name, obj) for name, obj in vars(m).items() if hasattr(obj, "key_of") and obj.__module__ == mod]
+    return out
+
+
+def _key(t, monkeypatch=None):
+    params = {p: 1 for p in inspect.signature(t.fn).parameters}
+    return t.key_of(params)
+
+
+def test_every_task_module_has_cached_tasks():
+    found = {mod for mod, _, _ in _cached_tasks()}
+    assert found == set(TASK_MODULES)
+
+
+@pytest.mark.parametrize("mod, name, t", _cached_tasks(), ids=lambda x: x if isinstance(x, str) else "")
+def test_key_covers_exactly_the_closure(mod, name, t, monkeypatch):
+    files, _ = codehash.closure(mod)
+    base = _key(t)
+    every = sorted(str(p.relative_to(REPO)) for top in codehash.PROJECT for p in (REPO / top).rglob("*.py"))
+    real = codehash.file_digest
+    for f in every:
+        monkeypatch.setattr(codehash, "file_digest", lambda rel, f=f: "edited" if rel == f else real(rel))
+        changed = _key(t) != base
+        assert changed == (f in files), f"{name}: editing {f} {'changes' if changed else 'keeps'} its key"
+    monkeypatch.setattr(codehash, "file_digest", real)
+
+
+def test_closures_are_what_the_tasks_run():
+    """Spot checks of the computed closures (the modules each step really imports)."""
+    rot, _ = codehash.closure("tasks.rorope")
+    assert {"transmla/method/rorope.py", "transmla/method/mha2mla.py", "transmla/method/linalg.py",
+            "transmla/pipeline/rotation.py", "transmla/config.py", "tasks/artifacts.py"} <= set(rot)
+    assert "transmla/runtime/throughput.py" not in rot and "transmla/method/bkv.py" not in rot
+    basis, _ = codehash.closure("tasks.bkv")
+    assert "transmla/method/bkv.py" in basis and "transmla/pipeline/basis.py" in basis
+    ev, ext = codehash.closure("tasks.evaluate")
+    assert "transmla/runtime/fast_attention.py" in ev and "transmla/io/data.py" in ev and "lm_eval" in ext
+    assert not any(f.startswith("transmla/pipeline/") for f in ev)  # conversion code never re-keys evaluation
+    ft, _ = codehash.closure("tasks.finetune")
+    assert "transmla/method/mla.py" in ft  # norm_identity_scale
+
+
+def test_key_covers_package_versions(monkeypatch):
+    from tasks.evaluate import benchmarks
+    from tasks.rorope import layer_rotation
+
+    b, r = _key(benchmarks), _key(layer_rotation)
+    real = codehash.package_versions
+    monkeypatch.setattr(codehash, "package_versions",
+                        lambda names: {**real(names), **({"lm_eval": "9.9"} if "lm_eval" in names else {})})
+    assert _key(benchmarks) != b  # a new lm-eval (its task YAMLs are the prompts) re-runs the benchmarks
+    assert _key(layer_rotation) == r  # ... and nothing that does not import it
+    assert "torch" in codehash.package_versions(["torch"])
+
+
+def test_key_covers_the_tokenizer(tmp_path):
+    from tasks.artifacts import model_ref, task_key
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    a = model_ref(tmp_path, "abc")
+    (tmp_path / "tokenizer.json").write_text('{"x": 1}')
+    b = model_ref(tmp_path, "abc")
+    assert a["sha256"] == b["sha256"]  # same weights ...
+    assert task_key("t", "tasks.rorope", {"m": a}) != task_key("t", "tasks.rorope", {"m": b})  # ... other tokenizer
+
+
+def test_relative_and_function_level_imports_are_followed(tmp_path):
+    files, _ = codehash.closure("tasks.evaluate")
+    src = (REPO / "tasks" / "evaluate.py").read_text()
+    lazy = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom) and n.col_offset > 0]
+    assert lazy and "transmla/io/sources.py" in files  # imported inside perplexity()
+    assert "tasks/model.py" in files  # `from .model import ...`
+
+
+def test_project_code_never_imports_the_lazy_api():
+    """transmla/__init__ resolves its names lazily, which a closure cannot follow: project code
+    imports from the defining module (checked over every module)."""
+    for top in codehash.PROJECT:
+        for p in (REPO / top).rglob("*.py"):
+            name = ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+            codehash.imports_of(name)  # raises ImportProblem on `from transmla import X`
+
+
+def test_dvc_stage_deps_are_the_flow_closures():
+    """dvc.yaml's code deps of each stage are exactly the closure of the flow module it runs."""
+    import yaml
+
+    from flows import dag
+
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    for name, stage in stages.items():
+        body = stage.get("do", stage)
+        code = sorted(d for d in body["deps"] if d.split("/")[0] in codehash.PROJECT)
+        assert code == dag.code_deps(name), f"stage {name}: run `python -m flows.dag` to regenerate dvc.yaml deps"

@@ -1,0 +1,236 @@
+"""Every option of the library, with its default and its validation, in one place (pydantic).
+
+The CLI flags (transmla/cli.py) and the pipeline's params (flows/params.py, params/*.yaml) are built
+from these models, so a default is declared once. Constructing one directly (Python API, CLI)
+raises a `TransMLAError` naming the field and the fix; inside a params profile the same models
+validate as sections and report the YAML location instead.
+
+    ConvertOptions     one conversion (flat: what config.json's `transmla.options` records)
+      CalibrationOptions / TransMLAOptions / ExportOptions   its params sections
+    FinetuneConfig     one recovery fine-tune run
+    EvaluationOptions  perplexity + benchmarks
+
+No torch here: this module is imported by everything and must stay cheap and dependency-free.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from transmla.errors import TransMLAError
+
+METHODS = ("transmla", "mha2mla")
+FREQFOLDS = (1, 2, 4, 8)  # RoRoPE FreqFold M (adjacent frequencies per PCA); must divide d/2
+BENCHMARKS = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")
+# transformers' DeepseekV3 builds kv_a_layernorm / q_a_layernorm with its default eps, 1e-6, not
+# config.rms_norm_eps; the latent-norm identity is built for it (transmla.method.mla).
+LATENT_NORM_EPS = 1e-6
+FINETUNE_CORPORA = ("c4-demo", "wiki-demo", "wikitext2-train")
+
+
+class Options(BaseModel):
+    """Frozen, no unknown keys; direct construction reports bad values as one TransMLAError."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def __init__(self, **data):
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise options_error(e, type(self).__name__) from None
+
+    # Only direct construction goes through __init__; inside a params profile pydantic validates the
+    # section itself, so its errors keep their YAML location (flows/params.py).
+    __init__.__pydantic_base_init__ = True
+
+    def replace(self, **changes):
+        """A validated copy with some fields changed."""
+        return type(self)(**{**self.model_dump(), **changes})
+
+
+def options_error(e: ValidationError, what: str) -> TransMLAError:
+    first = e.errors()[0]
+    where = ".".join(str(x) for x in first["loc"]) or what
+    msg = first["msg"].removeprefix("Value error, ")
+    return TransMLAError(f"{what}: {where}: {msg} (got {first.get('input')!r}).",
+                         f"set a valid `{where}` (see `transmla --help` or transmla/config.py).")
+
+
+def _freqfold(v: int) -> int:
+    if v not in FREQFOLDS:
+        raise ValueError(f"freqfold={v} is not one of {list(FREQFOLDS)}")
+    return v
+
+
+class CalibrationOptions(Options):
+    """Calibration set: nsamples random windows of seqlen tokens (seeded), as the authors' code."""
+
+    dataset: str = "wikitext2-train"
+    nsamples: int = Field(128, ge=1)
+    seqlen: int = Field(256, ge=2)
+    batch_size: int = Field(8, ge=1)
+    seed: int = 42
+
+
+class TransMLAOptions(Options):
+    """The paper's method: RoRoPE + FreqFold, then balanced-KV joint PCA on activations."""
+
+    freqfold: int = 4
+    balance_kv: bool = True
+    pca: Literal["activations", "weights"] = "activations"
+    attention_aware: bool = False  # extension: PCA in the metric attention sees (method.bkv.attention_metrics)
+
+    @field_validator("freqfold")
+    @classmethod
+    def _ff(cls, v):
+        return _freqfold(v)
+
+
+class ExportOptions(Options):
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    latent_norm_eps: float | None = Field(None, gt=0)  # None: transformers' fixed 1e-6; vLLM: config.rms_norm_eps
+
+
+_CAL, _TM, _EX = CalibrationOptions.model_fields, TransMLAOptions.model_fields, ExportOptions.model_fields
+
+
+class ConvertOptions(Options):
+    """Everything that defines a conversion. Field order is the record's order (config.json)."""
+
+    method: Literal["transmla", "mha2mla"] = "transmla"
+    kv_cache_ratio: float | None = None  # shorthand: picks qk_rope_dim and kv_lora_rank
+    qk_rope_dim: int | None = Field(None, ge=2)
+    kv_lora_rank: int | None = Field(None, ge=1)
+    freqfold: int = _TM["freqfold"].default
+    q_lora_rank: int | None = Field(None, ge=1)
+    balance_kv: bool = _TM["balance_kv"].default
+    attention_aware: bool = _TM["attention_aware"].default
+    pca: Literal["activations", "weights"] = _TM["pca"].default
+    lossless: bool = False
+    cal_dataset: str = _CAL["dataset"].default
+    cal_nsamples: int = Field(_CAL["nsamples"].default, ge=1)
+    cal_seqlen: int = Field(_CAL["seqlen"].default, ge=2)
+    cal_batch_size: int = Field(_CAL["batch_size"].default, ge=1)
+    seed: int = _CAL["seed"].default
+    dtype: str = _EX["dtype"].default
+    device: str = "cpu"
+    latent_norm_eps: float | None = Field(_EX["latent_norm_eps"].default, gt=0)
+
+    @field_validator("freqfold")
+    @classmethod
+    def _ff(cls, v):
+        return _freqfold(v)
+
+    @field_validator("kv_cache_ratio")
+    @classmethod
+    def _ratio(cls, v):
+        if v is not None and not 0 < v <= 1:
+            raise ValueError(f"kv_cache_ratio={v} is not in (0, 1] (0.125 = an 87.5% cut)")
+        return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v):
+        if v == "float16":
+            raise ValueError("float16 cannot hold the kv_a_layernorm identity (the scaled latent underflows); "
+                             "use bfloat16 or float32")
+        if v not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype {v!r} is not float32 or bfloat16")
+        return v
+
+    @model_validator(mode="after")
+    def _lossless(self):
+        if self.lossless and self.method != "transmla":
+            raise ValueError("lossless is a TransMLA mode (drop --method mha2mla or --lossless)")
+        return self
+
+    @classmethod
+    def from_sections(cls, method: str, budget: float | None, transmla: TransMLAOptions,
+                      calibration: CalibrationOptions, export: ExportOptions, device: str, **explicit) -> "ConvertOptions":
+        """The options a (method, budget) of a params profile stands for."""
+        c = calibration
+        return cls(**{"method": method, "kv_cache_ratio": budget, **transmla.model_dump(), "cal_dataset": c.dataset,
+                      "cal_nsamples": c.nsamples, "cal_seqlen": c.seqlen, "cal_batch_size": c.batch_size,
+                      "seed": c.seed, **export.model_dump(), "device": device, **explicit})
+
+    @property
+    def norm_eps(self) -> float:
+        return LATENT_NORM_EPS if self.latent_norm_eps is None else self.latent_norm_eps
+
+    def normalized(self) -> "ConvertOptions":
+        """Options a method ignores set to one canonical value, so they never split a cache or a record:
+        MHA2MLA has no FreqFold, balancing, PCA mode or metric; lossless TransMLA keeps every frequency."""
+        if self.method == "mha2mla":
+            return self.replace(freqfold=1, balance_kv=False, pca="weights", attention_aware=False)
+        if self.lossless:
+            return self.replace(freqfold=1)
+        return self
+
+    def rotation_options(self) -> dict:
+        """What the per-layer rotation step depends on (besides weights, statistics and the RoPE plan)."""
+        n = self.normalized()
+        return {"method": n.method, "freqfold": n.freqfold}
+
+    def basis_options(self) -> dict:
+        """What the per-layer BKV basis step depends on (besides weights, statistics, rotation and rank)."""
+        n = self.normalized()
+        return {"method": n.method, "balance_kv": n.balance_kv, "pca": n.pca, "attention_aware": n.attention_aware}
+
+    def used(self) -> dict:
+        """The options this method actually uses (tracking): no fields the method ignores, no unset shorthands."""
+        n = self.normalized().model_dump()
+        if self.method == "mha2mla":
+            for k in ("freqfold", "balance_kv", "pca", "attention_aware", "lossless"):
+                n.pop(k)
+        return {k: v for k, v in n.items() if v is not None}
+
+
+class FinetuneConfig(Options):
+    """What defines a fine-tune run (CPU-sized defaults: 30 steps of 8 x 512 tokens)."""
+
+    mode: Literal["full", "attention"] = "full"
+    max_tokens: int = Field(122_880, ge=1)  # training tokens (steps = ceil(max_tokens / (batch * accum * seqlen)))
+    seqlen: int = Field(512, ge=2)
+    batch_size: int = Field(8, ge=1)  # per device
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(1e-4, gt=0)  # the paper's SmolLM setting (appendix E)
+    schedule: Literal["constant", "cosine"] = "constant"  # both with linear warmup
+    warmup_ratio: float = Field(0.08, ge=0, lt=1)  # the paper's 87.5% SmolLM setting
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    val_tokens: int = Field(16_384, ge=1)  # held-out blocks for the validation loss
+    eval_every: int = Field(10, ge=1)  # steps between validation losses (and resumable checkpoints)
+    log_every: int = Field(5, ge=1)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = mixed precision; float16 underflows the latent
+    device: str = "cpu"
+    seed: int = 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.grad_accum * self.seqlen
+
+    @property
+    def max_steps(self) -> int:
+        return max(1, -(-self.max_tokens // self.tokens_per_step))
+
+
+class EvaluationOptions(Options):
+    """WikiText-2 perplexity (non-overlapping windows) and the six Table-1 benchmarks (lm-eval, zero-shot)."""
+
+    ppl_dataset: str = "wikitext2-test"
+    ppl_seqlen: int = Field(2048, ge=2)
+    ppl_max_tokens: int | None = Field(None, ge=2)  # None: the whole test set
+    tasks: tuple[str, ...] = BENCHMARKS
+    limit: int | None = Field(None, ge=1)  # docs per task (per MMLU subject); None: full benchmarks
+    batch_size: int = Field(8, ge=1)
+    seed: int = 1234
+
+    @field_validator("tasks")
+    @classmethod
+    def _known(cls, v):
+        bad = [t for t in v if t not in BENCHMARKS]
+        if bad:
+            raise ValueError(f"unknown benchmarks {bad}; choose from {list(BENCHMARKS)}")
+        return v

@@ -1,0 +1,71 @@
+"""KV budget -> MLA shapes: which RoPE frequencies are kept and the latent rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transmla.adapters import GQASpec
+from transmla.config import ConvertOptions
+from transmla.errors import TransMLAError
+from transmla.method.rope import lossless_plan, standard_plan
+from transmla.method.rorope import validate_freqfold
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Resolved MLA shapes: RoPE plan (frequency index of each RoPE pair) and kv_lora_rank."""
+
+    plan: tuple[int, ...]
+    kv_lora_rank: int
+    original_kv: int  # values cached per token per layer by the GQA model: 2 g d
+
+    @property
+    def rope_dim(self) -> int:
+        return 2 * len(self.plan)
+
+    @property
+    def mla_kv(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def ratio(self) -> float:
+        return self.mla_kv / self.original_kv
+
+
+def resolve_budget(spec: GQASpec, o: ConvertOptions) -> Budget:
+    """Pick RoPE dim and rank from the options; one clear error for anything impossible.
+
+    --kv-cache-ratio X: budget B = round(X * 2 g d) values per token; RoPE dim R = the largest d/c
+    (c | d, R even) with R <= min(d/2, B/3), rank = B - R. This reproduces the paper's settings
+    (Llama-2-7B 92.97%: R=64, r=512; SmolLM2 68.75%: R=32, r=88; 87.5%: R=16, r=32).
+    """
+    g, d = spec.g, spec.d
+    L = g * d
+    validate_freqfold(o.freqfold, d)
+    if o.lossless:
+        return Budget(tuple(lossless_plan(d, g)), L, 2 * L)
+    R = o.qk_rope_dim
+    r = o.kv_lora_rank
+    if o.kv_cache_ratio is not None or (R is None and r is None):
+        ratio = 0.25 if o.kv_cache_ratio is None else o.kv_cache_ratio
+        B = round(ratio * 2 * L)
+        if R is None:
+            options = [d // c for c in range(1, d + 1) if d % c == 0 and (d // c) % 2 == 0 and d // c <= min(d // 2, B / 3)]
+            if not options:
+                raise TransMLAError(f"kv_cache_ratio={ratio} leaves {B} values per token: too few for any RoPE dim.",
+                                    "raise --kv-cache-ratio.")
+            R = max(options)
+        if r is None:
+            r = B - R
+    elif R is None:
+        R = d // 2
+    elif r is None:
+        r = 2 * L - R  # full rank: only RoPE is dropped
+    plan = standard_plan(d, R)
+    if not 1 <= r <= 2 * L - R:
+        raise TransMLAError(
+            f"kv_lora_rank={r} is impossible for this model: with qk_rope_head_dim={R} the NoPE keys and values "
+            f"span at most 2*g*d - R = {2 * L - R} dims.",
+            f"choose kv_lora_rank between 1 and {2 * L - R}.",
+        )
+    return Budget(tuple(plan), r, 2 * L)
