@@ -1,0 +1,60 @@
+"""One atomic-write helper: concurrent writers of the same artifact both finish, one whole file remains."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+from transmla.io.paths import atomic_dir, atomic_file
+
+
+def _write_file(path: str, byte: bytes, n: int) -> None:
+    for _ in range(20):
+        with atomic_file(path) as tmp:
+            with open(tmp, "wb") as f:
+                for _ in range(n):
+                    f.write(byte * 4096)
+
+
+def _write_dir(path: str, tag: str) -> None:
+    for _ in range(20):
+        with atomic_dir(path) as tmp:
+            for i in range(5):
+                (tmp / f"part{i}").write_text(tag * 1000)
+
+
+def test_concurrent_file_writers(tmp_path):
+    target = str(tmp_path / "artifact.safetensors")
+    ps = [mp.get_context("fork").Process(target=_write_file, args=(target, b, 256)) for b in (b"a", b"b")]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join(60)
+    assert [p.exitcode for p in ps] == [0, 0]  # both finished
+    data = open(target, "rb").read()
+    assert len(data) == 256 * 4096 and len(set(data)) == 1  # one writer's complete file
+    assert os.listdir(tmp_path) == ["artifact.safetensors"]  # no temporaries left
+
+
+def test_concurrent_dir_writers(tmp_path):
+    target = str(tmp_path / "model")
+    ps = [mp.get_context("fork").Process(target=_write_dir, args=(target, t)) for t in "xy"]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join(60)
+    assert [p.exitcode for p in ps] == [0, 0]
+    texts = {(tmp_path / "model" / f"part{i}").read_text() for i in range(5)}
+    assert len(texts) == 1 and len(next(iter(texts))) == 1000  # all parts from one writer
+    assert os.listdir(tmp_path) == ["model"]
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    target = tmp_path / "x.json"
+    try:
+        with atomic_file(target) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("interrupted")
+    except RuntimeError:
+        pass
+    assert not target.exists() and os.listdir(tmp_path) == []
