@@ -126,6 +126,7 @@ class _Interrupts:
     def __init__(self):
         self.received: list[int] = []
         self.flow: str | None = None
+        self.reported = False
         self.children: list = []  # processes started in their own process group (stopped on a forced exit)
 
     def install(self) -> dict:
@@ -169,9 +170,13 @@ class _Interrupts:
         except Exception:  # noqa: BLE001
             return None
 
-    def _command_flow(self) -> str:
+    @staticmethod
+    def _command_flow() -> str:
+        """The flow module run (`python -m flows.convert` -> convert), for a signal outside a flow run."""
+        from pathlib import Path
+
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-        return (spec.name if spec else "flow").rsplit(".", 1)[-1]
+        return spec.name.rsplit(".", 1)[-1] if spec else Path(sys.argv[0]).stem
 
     def exit(self, forced: bool = False) -> None:
         """One line naming what to rerun, then exit 128 + the first signal (no traceback)."""
@@ -179,9 +184,14 @@ class _Interrupts:
         import signal
 
         sig = self.received[0]
-        print(f"transmla: interrupted ({signal.Signals(sig).name}) during flow {self.flow or self._command_flow()}: "
-              "nothing partial was kept; rerun the same command (or make repro) to resume from the last "
-              "finished step.", file=sys.stderr, flush=True)
+        if not self.reported:
+            self.reported = True
+            try:  # (after a SIGHUP the terminal may be gone)
+                print(f"transmla: interrupted ({signal.Signals(sig).name}) during flow "
+                      f"{self.flow or self._command_flow()}: nothing partial was kept; rerun the same command "
+                      "(or make repro) to resume from the last finished step.", file=sys.stderr, flush=True)
+            except OSError:
+                pass
         if not forced:
             sys.exit(128 + sig)
         # A second signal: skip the rest of the clean-up (Prefect's reports, atexit), stop what we started.
