@@ -10,38 +10,18 @@ The re-evaluation is the evaluate flow with --finetuned (its own DVC stage).
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 
 from prefect import flow
 
 from tasks import tracking
 from tasks.artifacts import publish
-from tasks.finetune import finetune_checkpoint
+from tasks.finetune import curves_csv, finetune_checkpoint, loss_curves
 from tasks.model import checkpoint_ref, dataset_ref
 from transmla.io.paths import write_text_atomic
 
 from . import _cli, layout
 from .params import Profile
-
-
-def loss_curves(log_history: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """Trainer log history -> {"train_loss": [(step, loss)], "val_loss": [...], "learning_rate": [...]}."""
-    keys = {"train_loss": "loss", "val_loss": "eval_loss", "learning_rate": "learning_rate"}
-    return {name: [(h["step"], h[k]) for h in log_history if k in h] for name, k in keys.items()}
-
-
-def curves_csv(curves: dict[str, list[tuple[int, float]]]) -> str:
-    """One row per logged step: step, train_loss, val_loss, learning_rate (blank where not logged)."""
-    steps = sorted({s for points in curves.values() for s, _ in points})
-    by = {name: dict(points) for name, points in curves.items()}
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["step", *curves])
-    for s in steps:
-        w.writerow([s, *[by[name].get(s, "") for name in curves]])
-    return buf.getvalue()
 
 
 @flow(name="finetune")

@@ -9,6 +9,9 @@ to get there.
 
 from __future__ import annotations
 
+import csv
+import io
+
 from transmla.io.data import load_documents
 from transmla.training.finetune import FinetuneConfig, finetune_on_corpora
 from transmla.io.sources import content_hash, load_model
@@ -32,3 +35,21 @@ def finetune_checkpoint(model: dict, corpora: list[dict], config: dict, max_docu
     record = finetune_on_corpora(m, tok, docs, cfg, d / "trainer", d / "model")
     summary = {k: v for k, v in record.items() if k not in ("log_history", "config", "data")}
     return model_ref(d / "model", content_hash(d / "model"), finetune=summary)
+
+
+def loss_curves(log_history: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """Trainer log history -> {"train_loss": [(step, loss)], "val_loss": [...], "learning_rate": [...]}."""
+    keys = {"train_loss": "loss", "val_loss": "eval_loss", "learning_rate": "learning_rate"}
+    return {name: [(h["step"], h[k]) for h in log_history if k in h] for name, k in keys.items()}
+
+
+def curves_csv(curves: dict[str, list[tuple[int, float]]]) -> str:
+    """One row per logged step: step, train_loss, val_loss, learning_rate (blank where not logged)."""
+    steps = sorted({s for points in curves.values() for s, _ in points})
+    by = {name: dict(points) for name, points in curves.items()}
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["step", *curves])
+    for s in steps:
+        w.writerow([s, *[by[name].get(s, "") for name in curves]])
+    return buf.getvalue()

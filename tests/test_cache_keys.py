@@ -121,3 +121,27 @@ def test_dvc_stage_deps_are_the_flow_closures():
         body = stage.get("do", stage)
         code = sorted(d for d in body["deps"] if d.split("/")[0] in codehash.PROJECT)
         assert code == dag.code_deps(name), f"stage {name}: run `python -m flows.dag` to regenerate dvc.yaml deps"
+
+
+def test_cli_defaults_are_the_params_defaults():
+    """One source of truth: the CLI flags, the library options and the params sections share defaults."""
+    from flows.params import FinetuneParams
+    from transmla.cli import build_parser
+    from transmla.config import ConvertOptions, EvaluationOptions, FinetuneConfig
+
+    sub = build_parser()._subparsers._group_actions[0].choices
+    conv = {a.dest: a.default for a in sub["convert"]._actions}
+    o = ConvertOptions()
+    for flag, field in (("freqfold", "freqfold"), ("pca", "pca"), ("cal_nsamples", "cal_nsamples"),
+                        ("cal_seqlen", "cal_seqlen"), ("seed", "seed"), ("dtype", "dtype"), ("method", "method")):
+        assert conv[flag] == getattr(o, field), flag
+    assert conv["no_balance_kv"] is (not o.balance_kv) and conv["attention_aware"] is o.attention_aware
+    ft = {a.dest: a.default for a in sub["finetune"]._actions}
+    params = FinetuneParams()
+    for name in FinetuneConfig.model_fields:
+        assert ft[name] == getattr(FinetuneConfig(), name) == getattr(params, name), name
+    assert ft["corpora"].split(",") == list(params.corpora)
+    ev = {a.dest: a.default for a in sub["eval"]._actions}
+    e = EvaluationOptions()
+    assert ev["tasks"].split(",") == list(e.tasks) and ev["limit"] == e.limit and int(ev["batch_size"]) == e.batch_size
+    assert ev["seed"] == e.seed and {a.dest: a.default for a in sub["ppl"]._actions}["seqlen"] == e.ppl_seqlen
