@@ -1,6 +1,6 @@
 """dvc.lock must be current for the code and params in the checkout (scripts/check_lock.py).
 
-The tests build a small DVC project in a temp git repo, let DVC itself write its dvc.lock (`Repo.commit`), and show
+test_repository_lock_is_current checks this repository's own lock. The other tests build a small DVC project in a temp git repo, let DVC itself write its dvc.lock (`Repo.commit`), and show
 the check passes on it (without its data, outputs or cache) and names each kind of staleness.
 """
 
@@ -31,6 +31,13 @@ check_lock = _load_checker()
 
 def _problems(root) -> list[str]:
     return [str(p) for p in check_lock.check_lock(root).problems]
+
+
+def test_repository_lock_is_current():
+    """The committed dvc.lock was made by the code and params in this checkout (a fresh clone
+    needs no data for this): a stale lock cannot land."""
+    problems = _problems(REPO)
+    assert not problems, "dvc.lock is stale:\n" + "\n".join(problems[:40])
 
 
 def _about(problems: list[str], stage: str, path: str) -> list[str]:
