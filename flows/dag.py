@@ -10,7 +10,6 @@ tests/test_cache_keys.py fails when they drift. flows/paper.py composes the same
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from tasks.codehash import PROJECT, REPO_ROOT, closure
 

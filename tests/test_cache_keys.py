@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import tasks  # noqa: F401  (Prefect defaults; conftest points the store at a temp dir)
-from tasks import artifacts, codehash
+from tasks import codehash
 
 REPO = Path(__file__).resolve().parent.parent
 TASK_MODULES = ("tasks.calibrate", "tasks.rorope", "tasks.bkv", "tasks.evaluate", "tasks.sweep", "tasks.finetune",
@@ -31,7 +31,7 @@ def _cached_tasks():
     return out
 
 
-def _key(t, monkeypatch=None):
+def _key(t):
     params = {p: 1 for p in inspect.signature(t.fn).parameters}
     return t.key_of(params)
 
