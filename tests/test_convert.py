@@ -19,13 +19,18 @@ from transmla.pipeline.rotation import rotation_step
 from transmla.io.data import load_texts
 from transmla.errors import TransMLAError
 from transmla.io.export import instantiate
-from transmla.config import LATENT_NORM_EPS
+from transmla.config import LATENT_NORM_EPS, PAPER_TRANSMLA
 from transmla.method.mla import build_mla_layer, norm_identity_scale
 from transmla.method.rope import inv_freq, lossless_plan, standard_plan
 from transmla.method.rorope import KeyRotation, rorope
 from transmla.io.sources import load_model
 
 CAL = dict(cal_nsamples=8, cal_seqlen=64, cal_batch_size=4)
+
+
+def paper(**kw) -> ConvertOptions:
+    """The paper's TransMLA (parallel statistics, no extensions): what the per-step exactness tests are about."""
+    return ConvertOptions(**{**PAPER_TRANSMLA, **CAL, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -132,11 +137,11 @@ def test_lossless_export_matches_original(tiny, tmp_path, tiny_model_dir):
 def test_bkv_scaling_exact_before_rank_cut(tiny):
     """alpha rescales keys against up-projections: at full rank BKV on/off give the same model."""
     ids = _text_ids(tiny[1])
-    on = _in_memory(tiny, ConvertOptions(qk_rope_dim=8, freqfold=2, **CAL))
-    off = _in_memory(tiny, ConvertOptions(qk_rope_dim=8, freqfold=2, balance_kv=False, **CAL))
+    on = _in_memory(tiny, paper(qk_rope_dim=8, freqfold=2))
+    off = _in_memory(tiny, paper(qk_rope_dim=8, freqfold=2, balance_kv=False))
     assert (_logprobs(on, ids) - _logprobs(off, ids)).abs().max() < 1e-4
     # and the rank cut after balancing really is a cut: rank 8 differs
-    cut = _in_memory(tiny, ConvertOptions(qk_rope_dim=8, kv_lora_rank=8, freqfold=2, **CAL))
+    cut = _in_memory(tiny, paper(qk_rope_dim=8, kv_lora_rank=8, freqfold=2))
     assert (_logprobs(cut, ids) - _logprobs(on, ids)).abs().max() > 1e-3
 
 
@@ -183,7 +188,7 @@ def test_low_rank_q(tiny):
     """q_lora_rank = full query rank is exact; smaller ranks run (and differ)."""
     model, tok, spec, _ = tiny
     ids = _text_ids(tok)
-    base = ConvertOptions(qk_rope_dim=8, freqfold=2, **CAL)
+    base = paper(qk_rope_dim=8, freqfold=2)
     ref = _logprobs(_in_memory(tiny, base), ids)
     full = _logprobs(_in_memory(tiny, base.replace(q_lora_rank=spec.D)), ids)
     assert (full - ref).abs().max() < 1e-3
@@ -239,15 +244,15 @@ def test_latent_norm_identity_error_on_real_activations(tiny):
     """The kv_a/q_a layernorm identity, measured inside a converted model (Qwen2: with the q-bias carrier)."""
     from transmla.method.diagnostics import latent_norm_identity_error
 
-    mla = _in_memory(tiny, ConvertOptions(kv_cache_ratio=0.5, q_lora_rank=16, **CAL))
+    mla = _in_memory(tiny, paper(kv_cache_ratio=0.5, q_lora_rank=16))
     assert latent_norm_identity_error(mla, _text_ids(tiny[1])) < 1e-5
 
 
 def test_attention_aware_basis_exact_at_full_rank(tiny):
     """The query/o_proj metrics are undone by the up-projections: exact at full rank."""
     ids = _text_ids(tiny[1])
-    ref = _logprobs(_in_memory(tiny, ConvertOptions(qk_rope_dim=8, freqfold=2, **CAL)), ids)
-    aa = _logprobs(_in_memory(tiny, ConvertOptions(qk_rope_dim=8, freqfold=2, attention_aware=True, **CAL)), ids)
+    ref = _logprobs(_in_memory(tiny, paper(qk_rope_dim=8, freqfold=2)), ids)
+    aa = _logprobs(_in_memory(tiny, paper(qk_rope_dim=8, freqfold=2, attention_aware=True)), ids)
     assert (aa - ref).abs().max() < 1e-4
 
 

@@ -55,10 +55,13 @@ def cmd_ppl(args) -> dict:
 def cmd_convert(args) -> dict:
     from transmla.convert import convert
 
+    if args.paper:
+        args.calibration, args.refit, args.attention_aware = "parallel", False, False
     opts = ConvertOptions(
         method=args.method, kv_cache_ratio=args.kv_cache_ratio, qk_rope_dim=args.qk_rope_dim,
         kv_lora_rank=args.kv_lora_rank, freqfold=args.freqfold, q_lora_rank=args.q_lora_rank,
-        balance_kv=not args.no_balance_kv, attention_aware=args.attention_aware, pca=args.pca, lossless=args.lossless,
+        balance_kv=not args.no_balance_kv, attention_aware=args.attention_aware, pca=args.pca,
+        calibration=args.calibration, refit=args.refit, lossless=args.lossless,
         cal_nsamples=args.cal_nsamples, cal_seqlen=args.cal_seqlen, seed=args.seed, dtype=args.dtype,
         device=args.device, latent_norm_eps=args.latent_norm_eps,
     )
@@ -141,9 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"adjacent frequencies per RoRoPE PCA (default {CO['freqfold'].default})")
     c.add_argument("--q-lora-rank", type=int, default=None, help="low-rank queries from PCA of query activations")
     c.add_argument("--no-balance-kv", action="store_true", help="ablation: skip the key/value norm balancing")
-    c.add_argument("--attention-aware", action="store_true",
+    c.add_argument("--attention-aware", action=argparse.BooleanOptionalAction, default=CO["attention_aware"].default,
                    help="extension: joint PCA weighted by query and o_proj metrics (what attention actually uses)")
     c.add_argument("--pca", default=CO["pca"].default, choices=["activations", "weights"], help="joint KV PCA basis source")
+    c.add_argument("--calibration", default=CO["calibration"].default, choices=["parallel", "two_pass", "sequential"],
+                   help="statistics of the original model (parallel, the paper), recomputed with RoPE dropped "
+                        "(two_pass, the authors' code) or layer by layer on the converted model (sequential, default)")
+    c.add_argument("--refit", action=argparse.BooleanOptionalAction, default=CO["refit"].default,
+                   help="extension: least-squares refit of the value up-projections to the original layers' outputs")
+    c.add_argument("--paper", action="store_true",
+                   help="the paper's TransMLA exactly: --calibration parallel --no-refit --no-attention-aware")
     c.add_argument("--lossless", action="store_true", help="keep RoPE on all g*d key dims, no rank cut (exact)")
     c.add_argument("--cal-nsamples", type=int, default=CO["cal_nsamples"].default, help="calibration sequences")
     c.add_argument("--cal-seqlen", type=int, default=CO["cal_seqlen"].default, help="tokens per calibration sequence")

@@ -27,6 +27,7 @@ BENCHMARKS = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openboo
 # transformers' DeepseekV3 builds kv_a_layernorm / q_a_layernorm with its default eps, 1e-6, not
 # config.rms_norm_eps; the latent-norm identity is built for it (transmla.method.mla).
 LATENT_NORM_EPS = 1e-6
+REFIT_DAMP = 1e-6  # ridge of the W_UV refit, relative to the mean eigenvalue of E[z z^T] (method.refit)
 FINETUNE_CORPORA = ("c4-demo", "wiki-demo", "wikitext2-train")
 
 
@@ -75,12 +76,21 @@ class CalibrationOptions(Options):
 
 
 class TransMLAOptions(Options):
-    """The paper's method: RoRoPE + FreqFold, then balanced-KV joint PCA on activations."""
+    """The paper's method: RoRoPE + FreqFold, then balanced-KV joint PCA on activations.
+
+    The defaults are this project's recommended mode (measured best at every KV budget, reports/):
+    the paper's steps calibrated layer by layer on the converted model, in attention's metric, with
+    the value up-projections refit to the original layers' outputs. PAPER_TRANSMLA: the paper's own.
+    """
 
     freqfold: int = 4
     balance_kv: bool = True
     pca: Literal["activations", "weights"] = "activations"
-    attention_aware: bool = False  # extension: PCA in the metric attention sees (method.bkv.attention_metrics)
+    attention_aware: bool = True  # extension: PCA in the metric attention sees (method.bkv.attention_metrics)
+    # parallel: statistics of the original model (the paper); two_pass: the authors' code (PCA statistics
+    # recomputed with RoPE dropped); sequential: layer by layer on the converted prefix (pipeline.stream)
+    calibration: Literal["parallel", "two_pass", "sequential"] = "sequential"
+    refit: bool = True  # extension: least-squares refit of W_UV to the original layer's output (method.refit)
 
     @field_validator("freqfold")
     @classmethod
@@ -91,6 +101,10 @@ class TransMLAOptions(Options):
 class ExportOptions(Options):
     dtype: Literal["float32", "bfloat16"] = "float32"
     latent_norm_eps: float | None = Field(None, gt=0)  # None: transformers' fixed 1e-6; vLLM: config.rms_norm_eps
+
+
+# The paper's TransMLA (Table 1's row): statistics of the original model, no extensions.
+PAPER_TRANSMLA = {"attention_aware": False, "calibration": "parallel", "refit": False}
 
 
 _CAL, _TM, _EX = CalibrationOptions.model_fields, TransMLAOptions.model_fields, ExportOptions.model_fields
@@ -108,6 +122,8 @@ class ConvertOptions(Options):
     balance_kv: bool = _TM["balance_kv"].default
     attention_aware: bool = _TM["attention_aware"].default
     pca: Literal["activations", "weights"] = _TM["pca"].default
+    calibration: Literal["parallel", "two_pass", "sequential"] = _TM["calibration"].default
+    refit: bool = _TM["refit"].default
     lossless: bool = False
     cal_dataset: str = _CAL["dataset"].default
     cal_nsamples: int = Field(_CAL["nsamples"].default, ge=1)
@@ -147,11 +163,12 @@ class ConvertOptions(Options):
         return self
 
     @classmethod
-    def from_sections(cls, method: str, budget: float | None, transmla: TransMLAOptions,
+    def from_sections(cls, method: str, budget: float | None, transmla: dict,
                       calibration: CalibrationOptions, export: ExportOptions, device: str, **explicit) -> "ConvertOptions":
-        """The options a (method, budget) of a params profile stands for."""
+        """The options a (method, budget) of a params profile stands for; `transmla`: TransMLAOptions fields
+        (empty for MHA2MLA, which normalizes them away)."""
         c = calibration
-        return cls(**{"method": method, "kv_cache_ratio": budget, **transmla.model_dump(), "cal_dataset": c.dataset,
+        return cls(**{"method": method, "kv_cache_ratio": budget, **transmla, "cal_dataset": c.dataset,
                       "cal_nsamples": c.nsamples, "cal_seqlen": c.seqlen, "cal_batch_size": c.batch_size,
                       "seed": c.seed, **export.model_dump(), "device": device, **explicit})
 
@@ -163,10 +180,17 @@ class ConvertOptions(Options):
         """Options a method ignores set to one canonical value, so they never split a cache or a record:
         MHA2MLA has no FreqFold, balancing, PCA mode or metric; lossless TransMLA keeps every frequency."""
         if self.method == "mha2mla":
-            return self.replace(freqfold=1, balance_kv=False, pca="weights", attention_aware=False)
+            return self.replace(freqfold=1, balance_kv=False, pca="weights", attention_aware=False,
+                                calibration="parallel", refit=False)
         if self.lossless:
             return self.replace(freqfold=1)
         return self
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the conversion pushes the calibration set through the model layer by layer (pipeline.stream)."""
+        n = self.normalized()
+        return n.calibration != "parallel" or n.refit
 
     def rotation_options(self) -> dict:
         """What the per-layer rotation step depends on (besides weights, statistics and the RoPE plan)."""
@@ -182,7 +206,7 @@ class ConvertOptions(Options):
         """The options this method actually uses (tracking): no fields the method ignores, no unset shorthands."""
         n = self.normalized().model_dump()
         if self.method == "mha2mla":
-            for k in ("freqfold", "balance_kv", "pca", "attention_aware", "lossless"):
+            for k in ("freqfold", "balance_kv", "pca", "attention_aware", "calibration", "refit", "lossless"):
                 n.pop(k)
         return {k: v for k, v in n.items() if v is not None}
 

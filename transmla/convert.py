@@ -14,39 +14,60 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from transmla.adapters import GQASpec, attention_weights, read_spec
-from transmla.config import ConvertOptions
-from transmla.method.calibration import CalibrationStats, LayerMoments, calibration_ids, collect_stats
+from transmla.config import REFIT_DAMP, ConvertOptions
+from transmla.method.calibration import CalibrationStats, calibration_ids, collect_stats
 from transmla.method.mla import MLALayer
 from transmla.pipeline.assemble import assemble, conversion_metadata
 from transmla.pipeline.basis import basis_step
 from transmla.pipeline.budget import Budget, resolve_budget
-from transmla.pipeline.layer import layer_step
+from transmla.pipeline.layer import layer_step, refit_step, value_bias
 from transmla.pipeline.rotation import rotation_step
+from transmla.pipeline.stream import LayerStream, MLAShapes
 
 __all__ = ["Budget", "ConvertOptions", "assemble", "convert", "convert_layers", "resolve_budget"]
 
 
-def convert_layers(model, moments: CalibrationStats | Callable[[int], LayerMoments], spec: GQASpec, budget: Budget,
-                   o: ConvertOptions, progress: bool = True) -> tuple[list[MLALayer], list[dict]]:
+def mla_shapes(spec: GQASpec, budget: Budget, o: ConvertOptions) -> MLAShapes:
+    return MLAShapes(spec.h, spec.d, budget.rope_dim, budget.kv_lora_rank, o.norm_eps, budget.plan)
+
+
+def convert_layers(model, stats: CalibrationStats | None, spec: GQASpec, budget: Budget, o: ConvertOptions,
+                   progress: bool = True, stream: LayerStream | None = None) -> tuple[list[MLALayer], list[dict]]:
     """Every layer's MLA weights and diagnostics.
 
-    `moments(l)` gives layer l's input moments; it is called in layer order, after layers < l were
-    converted, so a layer-by-layer calibration can feed it the converted prefix's activations.
+    o.calibration = parallel: every step uses `stats` (the original model's moments); two_pass: the
+    rotation uses `stats`, the basis the moments of `stream` pushed through RoPE-dropped full-rank
+    layers (the authors' second pass); sequential: everything uses `stream` pushed through the
+    converted layers. o.refit needs `stream` in every mode (o.streamed says when one is needed).
     """
-    moments_of = moments.moments if isinstance(moments, CalibrationStats) else moments
     n = o.normalized()
+    if o.streamed and stream is None:
+        raise ValueError(f"calibration={n.calibration}, refit={n.refit} needs a LayerStream")
     layers, diags = [], []
     for i in tqdm(range(spec.n_layers), desc="convert", file=sys.stderr, disable=not progress):
-        w, m = attention_weights(model, i), moments_of(i)
-        rot = rotation_step(w, m, spec, list(budget.plan), **n.rotation_options())
+        w = attention_weights(model, i)
+        m_rot = stream.moments(i) if n.calibration == "sequential" else stats.moments(i)
+        m = stream.moments(i) if n.calibration == "two_pass" else m_rot
+        rot = rotation_step(w, m_rot, spec, list(budget.plan), **n.rotation_options())
         basis = basis_step(w, m, spec, rot, budget.kv_lora_rank, **n.basis_options())
         layer, diag = layer_step(w, m, spec, rot, basis, o.q_lora_rank, o.norm_eps)
+        if n.refit:
+            s = mla_shapes(spec, budget, o)
+            layer, fit = refit_step(layer, stream.refit_moments(i, layer, s, value_bias(w, spec)), spec, REFIT_DAMP)
+            diag.update(fit)
+        if n.calibration == "sequential":
+            stream.advance(i, layer, mla_shapes(spec, budget, o))
+        elif n.calibration == "two_pass":
+            full = Budget(budget.plan, 2 * spec.g * spec.d - budget.rope_dim, budget.original_kv)
+            fb = basis_step(w, m, spec, rot, full.kv_lora_rank, **n.basis_options())
+            stream.advance(i, layer_step(w, m, spec, rot, fb, o.q_lora_rank, o.norm_eps)[0], mla_shapes(spec, full, o))
+        elif stream is not None:
+            stream.advance(i, None)
         layers.append(layer)
         diags.append(diag)
     return layers, diags
@@ -72,10 +93,13 @@ def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_di
     budget = resolve_budget(spec, o)
     ids = calibration_ids(tok, load_texts(o.cal_dataset, data_dir), o.cal_nsamples, o.cal_seqlen, o.seed)
     t_cal = time.perf_counter()
-    stats = collect_stats(model, ids, o.cal_batch_size, progress)
+    n = o.normalized()
+    stats = collect_stats(model, ids, o.cal_batch_size, progress) if n.calibration != "sequential" else None
+    stream = LayerStream(model, ids, o.cal_batch_size, progress) if o.streamed else None
     cal_seconds = time.perf_counter() - t_cal
-    layers, diags = convert_layers(model, stats, spec, budget, o, progress)
-    metadata = conversion_metadata(info, spec, budget, o, diags, stats.n)
+    layers, diags = convert_layers(model, stats, spec, budget, o, progress, stream)
+    del stream
+    metadata = conversion_metadata(info, spec, budget, o, diags, ids.numel())
     config, sd = assemble(model, spec, budget, layers, o)
     write_checkpoint(out, config, sd, tok, metadata)
     return {**metadata, "calibration_seconds": round(cal_seconds, 2), "seconds": round(time.perf_counter() - t0, 2),

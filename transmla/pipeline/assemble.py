@@ -44,7 +44,7 @@ def conversion_metadata(source: dict, spec: GQASpec, budget: Budget, o: ConvertO
     mean = lambda k: float(sum(d[k] for d in diags) / len(diags))  # noqa: E731
     return {
         "method": o.method,
-        "options": o.model_dump(),
+        "options": o.normalized().model_dump(),
         "source": source.get("source"),
         "source_content_hash": source.get("content_hash"),
         "qk_rope_head_dim": budget.rope_dim,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from transmla.adapters import AttentionWeights, GQASpec
 from transmla.method.bkv import JointBasis
 from transmla.method.calibration import LayerMoments
 from transmla.method.mla import MLALayer, build_mla_layer
+from transmla.method.refit import RefitMoments, refit_values
 from transmla.method.rorope import KeyRotation
 
 
@@ -13,3 +16,20 @@ def layer_step(w: AttentionWeights, m: LayerMoments, spec: GQASpec, rot: KeyRota
                q_lora_rank: int | None, norm_eps: float) -> tuple[MLALayer, dict]:
     """The MLA layer and its diagnostics (alpha, captured energies, norm scales)."""
     return build_mla_layer(w, rot, basis, spec.h, spec.g, spec.d, m.xx, m.mean, q_lora_rank, norm_eps)
+
+
+def value_bias(w: AttentionWeights, spec: GQASpec):
+    """The value bias per query head [h d] (None without one): the refit's targets exclude it (it moves to o_proj)."""
+    if w.bv is None:
+        return None
+    return w.bv.view(spec.g, spec.d).repeat_interleave(spec.h // spec.g, 0).reshape(-1)
+
+
+def refit_step(layer: MLALayer, m: RefitMoments, spec: GQASpec, damp: float) -> tuple[MLALayer, dict]:
+    """The layer with kv_b_proj's value rows W_UV refit by least squares (method.refit), and the fit's diagnostics."""
+    h, d = spec.h, spec.d
+    kv_b = layer.kv_b_proj.view(h, 2 * d, -1).clone()
+    before = m.residual(kv_b[:, d:])
+    w_uv, diag = refit_values(m, damp)
+    kv_b[:, d:] = w_uv
+    return replace(layer, kv_b_proj=kv_b.reshape(2 * h * d, -1)), {"refit_residual_before": before, **diag}

@@ -1,0 +1,230 @@
+"""Layer-by-layer calibration: the calibration set's hidden states pushed through the model one layer at a time.
+
+    h_0 = the first decoder layer's input                         [N, T, D] float32, kept in batches
+    for l in layers:
+        x_l = input_layernorm_l(h_l)  -> moments(l)               E[x x^T], E[x] for every conversion step
+        (optional) refit_moments(l, mla) -> least-squares refit  (method.refit)
+        h_{l+1} = decoder layer l with `attention` in place of its self-attention
+
+`attention` is the converted MLA layer (sequential calibration: every layer is calibrated on the
+activations of the model the user will run), the RoPE-dropped full-rank layer (the authors' second
+pass) or None (the original layer: parallel statistics, used for a refit on the original model).
+Cost: about one forward pass plus a layernorm per layer; memory: the hidden states plus O(D^2) per
+layer, never any q/k/v activation of more than one batch.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from transmla.errors import TransMLAError
+from transmla.method.calibration import LayerMoments
+from transmla.method.mla import MLALayer
+from transmla.method.refit import RefitMoments
+
+
+class _Stop(Exception):
+    pass
+
+
+@dataclass
+class MLAShapes:
+    """h heads, NoPE/value head dim d, RoPE dim R, rank r, latent RMSNorm eps; RoPE frequencies `plan`."""
+
+    h: int
+    d: int
+    R: int
+    r: int
+    eps: float
+    plan: tuple[int, ...]
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's interleaved RoPE (pairs (2p, 2p+1)), output in half-split order as transformers does;
+    cos, sin [B, 1, T, R/2]."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def mla_attention(x: torch.Tensor, layer: dict[str, torch.Tensor], s: MLAShapes, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal DeepseekV3Attention over x [B, T, D] in absorbed form (the same scores and outputs as the
+    stock module; transmla.runtime.absorb). layer: MLALayer.to_tensors() in x's dtype; cos/sin
+    [B, T, d] of the original model's RoPE (rotate_half layout). Returns (output [B, T, D],
+    z [B, h, T, r]: the per-head attention-weighted latent, sum_t p_t c_t)."""
+    B, T, _ = x.shape
+    h, d, R, r = s.h, s.d, s.R, s.r
+    if "q_proj.weight" in layer:
+        q = x @ layer["q_proj.weight"].T
+    else:
+        qa = x @ layer["q_a_proj.weight"].T
+        if "q_a_proj.bias" in layer:
+            qa = qa + layer["q_a_proj.bias"]
+        q = _rms(qa, layer["q_a_layernorm.weight"], s.eps) @ layer["q_b_proj.weight"].T
+    q = q.view(B, T, h, d + R).transpose(1, 2)
+    q_nope, q_rot = q[..., :d], q[..., d:]
+    kv = x @ layer["kv_a_proj_with_mqa.weight"].T
+    if "kv_a_proj_with_mqa.bias" in layer:
+        kv = kv + layer["kv_a_proj_with_mqa.bias"]
+    c = _rms(kv[..., :r], layer["kv_a_layernorm.weight"], s.eps)[:, None]  # [B, 1, T, r]
+    k_rot = kv[..., r:][:, None]
+    idx = torch.tensor(s.plan, dtype=torch.long, device=x.device)
+    cp, sp = cos[..., idx][:, None], sin[..., idx][:, None]
+    q_rot, k_rot = _rope_interleaved(q_rot, cp, sp), _rope_interleaved(k_rot, cp, sp)
+    w_uk = layer["kv_b_proj.weight"].view(h, 2 * d, r)[:, :d]
+    q_abs = torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk)
+    key = torch.cat([c, k_rot], -1).expand(B, h, T, r + R)
+    z = F.scaled_dot_product_attention(torch.cat([q_abs, q_rot], -1), key, c.expand(B, h, T, r), is_causal=True,
+                                       scale=1 / math.sqrt(d + R))
+    return _output(z, layer, s), z
+
+
+def _output(z: torch.Tensor, layer: dict[str, torch.Tensor], s: MLAShapes) -> torch.Tensor:
+    """o_proj(W_UV z): the attention output from the attention-weighted latents z [B, h, T, r]. [B, T, D]"""
+    B, _, T, _ = z.shape
+    w_uv = layer["kv_b_proj.weight"].view(s.h, 2 * s.d, s.r)[:, s.d :]
+    out = torch.einsum("bhtr,hdr->bthd", z, w_uv).reshape(B, T, s.h * s.d) @ layer["o_proj.weight"].T
+    return out + layer["o_proj.bias"] if "o_proj.bias" in layer else out
+
+
+def _scores(layer: dict[str, torch.Tensor], s: MLAShapes) -> list[torch.Tensor]:
+    """The weights z depends on: queries, kv_a (+ norm) and W_UK."""
+    keep = [v for k, v in sorted(layer.items()) if k.startswith(("q_", "kv_a"))]
+    return keep + [layer["kv_b_proj.weight"].view(s.h, 2 * s.d, s.r)[:, : s.d]]
+
+
+class _Attention(nn.Module):
+    """Stands in for a decoder layer's self-attention while the stream passes through it."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, hidden_states, position_embeddings=None, **_):
+        return self.fn(hidden_states, position_embeddings), None
+
+
+class LayerStream:
+    """The calibration hidden states at the current layer, in batches of `batch_size` windows."""
+
+    def __init__(self, model, ids: torch.Tensor, batch_size: int = 8, progress: bool = True):
+        cfg = model.config
+        types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+        if types != {"full_attention"}:
+            raise TransMLAError(f"layer-by-layer calibration supports full-attention decoders only (layer types {types}).",
+                                "use `calibration: parallel` for this model.")
+        self.model, self.layers = model, model.model.layers
+        self.device = next(model.parameters()).device
+        self.n, self.layer, self.progress = ids.numel(), 0, progress
+        self.h: list[torch.Tensor] = []
+        self.kwargs: list[dict] = []
+        self._z = None  # (layer, the weights z depends on, z per batch) from refit_moments
+
+        def grab(_module, args, kwargs):
+            hs = args[0] if args else kwargs.pop("hidden_states")
+            self.h.append(hs.detach().float())
+            self.kwargs.append({k: v for k, v in kwargs.items() if k != "hidden_states"})
+            raise _Stop
+
+        hook = self.layers[0].register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            with torch.no_grad():
+                for s in range(0, ids.shape[0], batch_size):
+                    try:
+                        model.model(input_ids=ids[s : s + batch_size].to(self.device), use_cache=False)
+                    except _Stop:
+                        pass
+        finally:
+            hook.remove()
+
+    def _bar(self, what: str):
+        return tqdm(range(len(self.h)), desc=f"{what} layer {self.layer}", file=sys.stderr, leave=False,
+                    disable=not self.progress)
+
+    @torch.no_grad()
+    def moments(self, layer: int) -> LayerMoments:
+        """E[x x^T], E[x] of layer `layer`'s attention input over the stream (float64)."""
+        self._check(layer)
+        ln = self.layers[layer].input_layernorm
+        D = self.h[0].shape[-1]
+        xx = torch.zeros(D, D, dtype=torch.float64)
+        xs = torch.zeros(D, dtype=torch.float64)
+        for b in self._bar("moments"):
+            x = ln(self.h[b]).reshape(-1, D).float()
+            xx += (x.T @ x).cpu().double()
+            xs += x.sum(0).cpu().double()
+        return LayerMoments(xx / self.n, xs / self.n)
+
+    @torch.no_grad()
+    def refit_moments(self, layer: int, mla: MLALayer, s: MLAShapes, value_bias: torch.Tensor | None) -> RefitMoments:
+        """Per-head second moments of z = sum_t p_t c_t (the converted layer's attention-weighted latent) and
+        cross moments with y, the original layer's per-head attention output (value bias removed), on the
+        stream's inputs. [h, r, r], [h, d, r]"""
+        self._check(layer)
+        dec = self.layers[layer]
+        w = {k: v.to(self.h[0].dtype).to(self.device) for k, v in mla.to_tensors().items()}
+        zz = torch.zeros(s.h, s.r, s.r, dtype=torch.float64)
+        yz = torch.zeros(s.h, s.d, s.r, dtype=torch.float64)
+        yy = torch.zeros(s.h, dtype=torch.float64)
+        captured, zs = [], []
+        keep = s.h * s.r <= 2 * self.h[0].shape[-1]  # z no larger than 2 hidden states: keep it for advance()
+        hook = dec.self_attn.o_proj.register_forward_pre_hook(lambda _m, a: captured.append(a[0]))
+        try:
+            for b in self._bar("refit"):
+                x = dec.input_layernorm(self.h[b])
+                kw = self.kwargs[b]
+                captured.clear()
+                dec.self_attn(hidden_states=x, **kw)
+                B, T, _ = x.shape
+                y = captured[0].view(B, T, s.h, s.d).transpose(1, 2)  # [B, h, T, d]
+                if value_bias is not None:
+                    y = y - value_bias.view(1, s.h, 1, s.d).to(y)
+                cos, sin = kw["position_embeddings"]
+                _, z = mla_attention(x, w, s, cos, sin)
+                zz += torch.einsum("bhtr,bhts->hrs", z, z).cpu().double()
+                yz += torch.einsum("bhtd,bhtr->hdr", y, z).cpu().double()
+                yy += y.pow(2).sum((0, 2, 3)).cpu().double()
+                if keep:
+                    zs.append(z)
+        finally:
+            hook.remove()
+        self._z = (layer, _scores(w, s), zs) if keep else None
+        return RefitMoments(zz / self.n, yz / self.n, yy / self.n)
+
+    @torch.no_grad()
+    def advance(self, layer: int, mla: MLALayer | None, s: MLAShapes | None = None) -> None:
+        """h <- decoder layer `layer`(h), with the MLA attention `mla` in place of the original one (None: original)."""
+        self._check(layer)
+        dec = self.layers[layer]
+        original = dec.self_attn
+        if mla is not None:
+            w = {k: v.to(self.h[0].dtype).to(self.device) for k, v in mla.to_tensors().items()}
+            z = self._z
+            if z is not None and z[0] == layer and all(torch.equal(a, b) for a, b in zip(z[1], _scores(w, s))):
+                # the refit changed W_UV only: the attention-weighted latents of refit_moments still hold
+                dec.self_attn = _Attention(lambda x, pe: _output(z[2][b], w, s))  # b: the batch below
+            else:
+                dec.self_attn = _Attention(lambda x, pe: mla_attention(x, w, s, *pe)[0])
+        self._z = None
+        try:
+            for b in self._bar("advance"):
+                out = dec(self.h[b], **self.kwargs[b])
+                self.h[b] = out[0] if isinstance(out, tuple) else out
+        finally:
+            dec.self_attn = original
+        self.layer += 1
+
+    def _check(self, layer: int) -> None:
+        if layer != self.layer:
+            raise RuntimeError(f"the stream is at layer {self.layer}, not {layer}")
