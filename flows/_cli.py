@@ -6,10 +6,9 @@ import argparse
 import sys
 
 import tasks  # noqa: F401  (Prefect defaults before prefect is imported)
-from transmla.config import METHODS
 from transmla.errors import TransMLAError
 
-from .params import DEFAULT_PARAMS, Profile, load_profile
+from .params import DEFAULT_PARAMS, ROWS, Profile, load_profile
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -26,7 +25,7 @@ def variant_parser(description: str, original: bool = False) -> argparse.Argumen
     (`original`: or the unconverted model, --method original without a budget)."""
     ap = parser(description)
     ap.add_argument("--model", required=True, help="a model name from the params' models:")
-    ap.add_argument("--method", required=True, choices=(["original"] if original else []) + list(METHODS))
+    ap.add_argument("--method", required=True, choices=(["original"] if original else []) + list(ROWS))
     ap.add_argument("--budget", required=not original, type=float, help="KV-cache fraction kept, e.g. 0.125")
     return ap
 

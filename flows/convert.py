@@ -1,6 +1,7 @@
 """Flow: convert one model to MLA at one KV budget with one method -> a stock DeepseekV3 checkpoint.
 
     calibration stats -> per layer: rotation (RoRoPE + FreqFold | 2-norm) -> BKV basis -> export
+    (calibration: sequential | two_pass, or refit: the layers in order over one stream -> export)
 
     python -m flows.convert --model smollm2-135m --method transmla --budget 0.125 [--stats FILE] [--out DIR]
 
@@ -17,8 +18,9 @@ from tasks import tracking
 from tasks.artifacts import file_ref
 from tasks.bkv import layer_basis
 from tasks.export import export_checkpoint
-from tasks.model import resolve_model, spec_of
+from tasks.model import dataset_ref, resolve_model, spec_of
 from tasks.rorope import layer_rotation
+from tasks.stream import streamed_layers
 from transmla.config import ConvertOptions
 from transmla.pipeline.budget import resolve_budget
 
@@ -28,7 +30,8 @@ from .params import Profile
 
 
 def layer_steps(model_ref: dict, stats: dict, o: ConvertOptions) -> tuple[list[dict], list[dict]]:
-    """Per-layer rotation and basis refs (cached tasks), keyed on the options each step uses."""
+    """Per-layer rotation and basis refs (cached tasks), keyed on the options each step uses
+    (parallel calibration without refit: every layer's steps are independent)."""
     spec = spec_of(model_ref)
     budget = resolve_budget(spec, o)
     rotations = [layer_rotation(model_ref, stats, i, list(budget.plan), **o.rotation_options())
@@ -38,15 +41,26 @@ def layer_steps(model_ref: dict, stats: dict, o: ConvertOptions) -> tuple[list[d
     return rotations, bases
 
 
+def converted(profile: Profile, model_ref: dict, o: ConvertOptions, out: str, stats_file: str | None = None) -> dict:
+    """The cached steps of one conversion, exported to `out` -> the checkpoint's ref."""
+    stats = None
+    if o.normalized().calibration != "sequential":  # the original model's statistics (sequential makes its own)
+        stats = file_ref(stats_file) if stats_file else stats_for(profile, model_ref)
+    if o.streamed:  # layer l depends on the converted layers before it: one task, in layer order
+        b = resolve_budget(spec_of(model_ref), o)
+        streamed = streamed_layers(model_ref, dataset_ref(o.cal_dataset), stats, list(b.plan), b.kv_lora_rank,
+                                   o.model_dump())
+        return export_checkpoint(model_ref, None, [], [], o.model_dump(), out, streamed)
+    rotations, bases = layer_steps(model_ref, stats, o)
+    return export_checkpoint(model_ref, stats, rotations, bases, o.model_dump(), out)
+
+
 @flow(name="convert")
 def convert(profile: Profile, model: str, method: str, budget: float, out: str | None = None,
             stats_file: str | None = None) -> dict:
     o = profile.convert_options(method, budget)
     model_ref = resolve_model(profile.model(model).source)
-    stats = file_ref(stats_file) if stats_file else stats_for(profile, model_ref)
-    rotations, bases = layer_steps(model_ref, stats, o)
-    ckpt = export_checkpoint(model_ref, stats, rotations, bases, o.model_dump(),
-                             str(out or layout.checkpoint_dir(model, method, budget)))
+    ckpt = converted(profile, model_ref, o, str(out or layout.checkpoint_dir(model, method, budget)), stats_file)
     info = ckpt["transmla"]
     tracking.track(profile.mlflow.experiment, model, method, budget, config=o.model_dump(),
                    params={"model": model, "source": profile.model(model).source, **o.used(),

@@ -23,15 +23,13 @@ from prefect import flow, get_run_logger
 
 from tasks import tracking
 from tasks.artifacts import STORE, canonical
-from tasks.export import export_checkpoint
 from tasks.model import resolve_model
 from tasks.report import table_row
 from transmla.io.paths import write_text_atomic
 from transmla.io.sources import parse_source
 
 from . import _cli, layout
-from .calibrate import stats_for
-from .convert import layer_steps
+from .convert import converted
 from .evaluate import evaluate_ref
 from .params import DEFAULT_PARAMS, load_profile
 
@@ -64,11 +62,9 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                     records.append({**rec, "status": "skipped", **json.loads(entry.read_text())})
                     continue
                 out = root / name / layout.variant(method, budget)
-                stats = stats_for(profile, model_ref)
-                rotations, bases = layer_steps(model_ref, stats, o)
                 if (out / "model").exists():  # an interrupted earlier night: its steps are cached
                     shutil.rmtree(out / "model")
-                ckpt = export_checkpoint(model_ref, stats, rotations, bases, o.model_dump(), str(out / "model"))
+                ckpt = converted(profile, model_ref, o, str(out / "model"))
                 ev = evaluate_ref(profile, ckpt)
                 row = table_row(name, method, budget, ev["ppl"], ev["benchmarks"], ckpt["transmla"], profile.evaluation.limit)
                 write_text_atomic(out / "metrics.json", json.dumps(row, indent=2))

@@ -15,7 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from transmla.config import (FINETUNE_CORPORA, FREQFOLDS, CalibrationOptions, ConvertOptions, EvaluationOptions,
-                             ExportOptions, FinetuneConfig, TransMLAOptions)
+                             ExportOptions, FinetuneConfig, PAPER_TRANSMLA,
+                             TransMLAOptions)
 from transmla.errors import TransMLAError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -35,9 +36,35 @@ class ModelParams(Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 
+# The conversion rows by name (pipeline/finetune/throughput/nightly `methods` pick from these): the
+# paper's two methods, and this project's recommended mode (TransMLA's library defaults).
+ROWS = ("mha2mla", "transmla", "transmla-refit")
+Row = Literal["mha2mla", "transmla", "transmla-refit"]
+
+
 class MethodsParams(Strict):
-    transmla: TransMLAOptions = TransMLAOptions()
+    """Options of each row: `transmla` is the paper's TransMLA (parallel calibration, no refit);
+    `transmla-refit` calibrates layer by layer, in attention's metric, with the W_UV refit."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    transmla: TransMLAOptions = TransMLAOptions(**PAPER_TRANSMLA)
     mha2mla: MHA2MLAParams = MHA2MLAParams()
+    transmla_refit: TransMLAOptions = Field(TransMLAOptions(), alias="transmla-refit")
+
+    @field_validator("transmla", mode="before")
+    @classmethod
+    def _paper_defaults(cls, v):
+        # a partial `transmla:` section means the paper's method, not the library's recommended defaults
+        return {**PAPER_TRANSMLA, **v} if isinstance(v, dict) else v
+
+    def row(self, name: str) -> tuple[str, dict]:
+        """(method, its options) of the row `name`."""
+        if name == "mha2mla":
+            return "mha2mla", {}
+        if name not in ROWS:
+            raise TransMLAError(f"Unknown method row {name!r}.", f"use one of {list(ROWS)}.")
+        return "transmla", getattr(self, name.replace("-", "_")).model_dump()
 
 
 class FiguresParams(Strict):
@@ -63,7 +90,7 @@ class PipelineParams(Strict):
 
     models: tuple[str, ...]
     budgets: tuple[float, ...]  # KV-cache fraction kept (0.3125 = the paper's 68.75% cut)
-    methods: tuple[Literal["transmla", "mha2mla"], ...] = ("mha2mla", "transmla")
+    methods: tuple[Row, ...] = ("mha2mla", "transmla")
 
     @field_validator("budgets")
     @classmethod
@@ -83,7 +110,7 @@ class FinetuneParams(FinetuneConfig):
     transmla.config.FinetuneConfig (its defaults; `device` comes from the profile).
     """
 
-    methods: tuple[Literal["transmla", "mha2mla"], ...] = ("transmla",)
+    methods: tuple[Row, ...] = ("transmla",)
     budgets: tuple[float, ...] = ()  # () = no fine-tune stage
     corpora: tuple[str, ...] = FINETUNE_CORPORA
     max_documents: int | None = Field(None, ge=1)  # per corpus; hub corpora are streamed up to it
@@ -99,7 +126,7 @@ class ThroughputParams(Strict):
     `methods` x `budgets` (each in pipeline:) are measured against the original, each in one run.
     """
 
-    methods: tuple[Literal["transmla", "mha2mla"], ...] = ("transmla",)
+    methods: tuple[Row, ...] = ("transmla",)
     budgets: tuple[float, ...] = ()  # () = no throughput stage
     contexts: tuple[int, ...] = (512, 1024, 2048, 4096)  # steady decode at each total context length
     batch: int = Field(8, ge=1)
@@ -129,7 +156,7 @@ class NightlyParams(Strict):
     cron: str = "0 3 * * *"
     timezone: str = "UTC"
     budgets: tuple[float, ...] = (0.125,)
-    methods: tuple[Literal["transmla", "mha2mla"], ...] = ("transmla",)
+    methods: tuple[Row, ...] = ("transmla-refit",)  # the recommended mode
 
 
 class MLflowParams(Strict):
@@ -177,8 +204,9 @@ class Profile(Strict):
 
     def convert_options(self, method: str, budget: float | None, **explicit) -> ConvertOptions:
         """The ConvertOptions a (method, budget) of this profile stands for (validated)."""
-        return ConvertOptions.from_sections(method, budget, self.methods.transmla, self.calibration, self.export,
-                                            self.device, **explicit)
+        algorithm, options = self.methods.row(method)
+        return ConvertOptions.from_sections(algorithm, budget, options, self.calibration, self.export, self.device,
+                                            **explicit)
 
     def finetuned(self, method: str, budget: float | None) -> bool:
         """Whether the pipeline fine-tunes this conversion."""

@@ -18,44 +18,56 @@ from transmla.convert import peak_rss_gib
 from transmla.io.export import instantiate, write_checkpoint
 from transmla.io.sources import content_hash
 from transmla.pipeline.assemble import assemble, conversion_metadata
-from transmla.pipeline.budget import Budget
+from transmla.pipeline.budget import Budget, resolve_budget
 from transmla.pipeline.layer import layer_step
 
-from .artifacts import model_ref
+from .artifacts import load_json, model_ref
 from .bkv import basis_of
 from .calibrate import stats_of
 from .model import load, spec_of
 from .rorope import rotation_of
+from .stream import layers_of
 
 
-def build(model: dict, stats: dict, rotations: list[dict], bases: list[dict], o: ConvertOptions):
-    """(tokenizer, config, state dict, conversion record) of the converted model."""
+def build(model: dict, stats: dict | None, rotations: list[dict], bases: list[dict], o: ConvertOptions,
+          streamed: dict | None = None):
+    """(tokenizer, config, state dict, conversion record) of the converted model: from the per-layer
+    rotations and bases (parallel calibration) or from a streamed conversion's layers (tasks.stream)."""
     m, tok = load(model["path"])
-    spec, st = spec_of(model), stats_of(stats)
-    layers, diags = [], []
-    for i, (rref, bref) in enumerate(zip(rotations, bases, strict=True)):
-        rot, basis = rotation_of(rref), basis_of(bref)
-        layer, diag = layer_step(attention_weights(m, i), st.moments(i), spec, rot, basis, o.q_lora_rank, o.norm_eps)
-        layers.append(layer)
-        diags.append(diag)
-    budget = Budget(tuple(rot.plan), basis.rank, 2 * spec.g * spec.d)
+    spec = spec_of(model)
+    if streamed is not None:
+        layers = layers_of(streamed, spec.n_layers)
+        record = load_json(streamed["diags"])
+        diags, n_tokens = record["layers"], record["calibration_tokens"]
+        budget = resolve_budget(spec, o)
+    else:
+        st = stats_of(stats)
+        layers, diags = [], []
+        for i, (rref, bref) in enumerate(zip(rotations, bases, strict=True)):
+            rot, basis = rotation_of(rref), basis_of(bref)
+            layer, diag = layer_step(attention_weights(m, i), st.moments(i), spec, rot, basis, o.q_lora_rank, o.norm_eps)
+            layers.append(layer)
+            diags.append(diag)
+        budget, n_tokens = Budget(tuple(rot.plan), basis.rank, 2 * spec.g * spec.d), st.n
     metadata = conversion_metadata({"source": model.get("source"), "content_hash": model["sha256"]}, spec, budget, o,
-                                   diags, st.n)
+                                   diags, n_tokens)
     config, sd = assemble(m, spec, budget, layers, o)
     return tok, config, sd, metadata
 
 
 @task(name="export_checkpoint", cache_policy=NO_CACHE)
-def export_checkpoint(model: dict, stats: dict, rotations: list[dict], bases: list[dict], options: dict, out: str) -> dict:
+def export_checkpoint(model: dict, stats: dict | None, rotations: list[dict], bases: list[dict], options: dict, out: str,
+                      streamed: dict | None = None) -> dict:
     """Write the converted model to `out` (atomically) -> its model ref, with the record and timings."""
     t0 = time.perf_counter()
-    tok, config, sd, metadata = build(model, stats, rotations, bases, ConvertOptions(**options))
+    tok, config, sd, metadata = build(model, stats, rotations, bases, ConvertOptions(**options), streamed)
     out = write_checkpoint(out, config, sd, tok, metadata)
     return model_ref(out, content_hash(out), transmla=config.transmla, seconds=round(time.perf_counter() - t0, 2),
                      peak_rss_gib=round(peak_rss_gib(), 3))
 
 
-def mla_model(model: dict, stats: dict, rotations: list[dict], bases: list[dict], options: dict):
+def mla_model(model: dict, stats: dict | None, rotations: list[dict], bases: list[dict], options: dict,
+              streamed: dict | None = None):
     """The converted model in memory (stock DeepseekV3ForCausalLM) and its tokenizer."""
-    tok, config, sd, _ = build(model, stats, rotations, bases, ConvertOptions(**options))
+    tok, config, sd, _ = build(model, stats, rotations, bases, ConvertOptions(**options), streamed)
     return instantiate(config, sd), tok

@@ -11,7 +11,8 @@ from transmla.io.paths import write_text_atomic
 
 COLUMNS = (("MMLU", "mmlu"), ("ARC", "arc_mean"), ("PIQA", "piqa"), ("HS", "hellaswag"), ("OBQA", "openbookqa"),
            ("WG", "winogrande"))
-METHOD_NAMES = {"original": "Original", "mha2mla": "MHA2MLA", "transmla": "TransMLA"}
+METHOD_NAMES = {"original": "Original", "mha2mla": "MHA2MLA", "transmla": "TransMLA",
+                "transmla-refit": "TransMLA + seq. refit (ours)"}
 
 
 def table_row(model: str, method: str, budget: float | None, ppl: dict, bench: dict, conversion: dict | None,

@@ -190,6 +190,37 @@ def test_convert_cache_keys(tmp_path, tiny_dir, monkeypatch):
     assert count.take() == {"stats": 1, "rotation": 2, "basis": 2}
 
 
+def test_streamed_row_is_one_cached_task(tmp_path, tiny_dir, monkeypatch):
+    """The recommended row (sequential calibration + refit): one cached task for all layers (no parallel
+    statistics), a byte-identical export on the rerun, the mode in config.json, and the paper's row unchanged."""
+    import tasks.stream
+    from flows.convert import convert
+    from flows.params import load_profile
+
+    monkeypatch.chdir(tmp_path)
+    count = Counter(monkeypatch)
+    monkeypatch.setattr(tasks.stream, "convert_layers", count._wrap(tasks.stream.convert_layers, "streamed"))
+    prof = load_profile(write_profile(tmp_path, tiny_dir, pipeline={"methods": ["transmla", "transmla-refit"]}))
+
+    def run(method):
+        out = tmp_path / method
+        shutil.rmtree(out, ignore_errors=True)
+        return convert(prof, "tiny", method, 0.25, out=str(out))
+
+    first = run("transmla-refit")
+    assert count.take() == {"streamed": 1}
+    assert run("transmla-refit")["sha256"] == first["sha256"]
+    assert count.take() == {}
+    rec = first["transmla"]
+    assert (rec["options"]["calibration"], rec["options"]["refit"], rec["options"]["attention_aware"]) == (
+        "sequential", True, True)
+    report = json.loads((Path(first["path"]) / "transmla_report.json").read_text())
+    assert all(d["refit_residual"] <= d["refit_residual_before"] for d in report["layers"])
+    paper = run("transmla")["transmla"]["options"]
+    assert (paper["calibration"], paper["refit"], paper["attention_aware"]) == ("parallel", False, False)
+    assert count.take() == {"stats": 1, "rotation": 2, "basis": 2}
+
+
 def test_evaluation_cache_keys(tmp_path, tiny_dir, monkeypatch):
     from flows.evaluate import evaluate
     from flows.params import load_profile
