@@ -1,0 +1,161 @@
+"""Benchmark: the training-free conversion modes side by side (reports/ablation/<model>.{json,md}).
+
+    .venv/bin/python scripts/ablation.py --model smollm2-135m [--budgets 0.3125,0.125] [--rows all]
+
+Per KV budget and row (conversion mode), one `transmla convert` in its own process (so its wall time
+and peak RSS are its own), then on the exported stock DeepseekV3 checkpoint:
+  - WikiText-2 test perplexity, first --ppl-tokens tokens in 2048-token windows (the paper's protocol);
+  - c4-demo perplexity, same protocol (held out: calibration uses WikiText-2 train);
+  - greedy 24-token continuations of the case-study prompts, scored by the original model
+    (transmla.evaluation.prompts).
+Next to them: one plain forward (with logits) of the original model over the calibration tokens, and
+the model's float32 size. Rows already in the JSON with the same protocol are kept (resumable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from transmla.config import ConvertOptions  # noqa: E402
+from transmla.evaluation import prompts  # noqa: E402
+from transmla.evaluation.perplexity import perplexity, tokenize_corpus  # noqa: E402
+from transmla.io.data import load_texts  # noqa: E402
+from transmla.io.paths import write_text_atomic  # noqa: E402
+from transmla.io.sources import load_model  # noqa: E402
+from transmla.method.calibration import calibration_ids  # noqa: E402
+from transmla.runtime.fast_attention import use_causal_padded_sdpa  # noqa: E402
+
+# name -> (label, `transmla convert` flags)
+ROWS = {
+    "mha2mla": ("MHA2MLA", ["--method", "mha2mla"]),
+    "transmla": ("TransMLA, one pass (paper)", ["--paper"]),
+    "two_pass": ("TransMLA, two passes (authors' code)", ["--paper", "--calibration", "two_pass"]),
+    "sequential": ("+ sequential calibration", ["--paper", "--calibration", "sequential"]),
+    "sequential_aa": ("+ sequential + attention-aware", ["--calibration", "sequential", "--no-refit"]),
+    "refit": ("+ LS refit (one pass)", ["--paper", "--refit"]),
+    "sequential_refit": ("+ sequential + LS refit", ["--paper", "--calibration", "sequential", "--refit"]),
+    "all": ("all combined (default)", []),
+}
+DATASETS = ("wikitext2-test", "c4-demo")
+
+
+def plain_forward_seconds(model, ids: torch.Tensor, batch_size: int) -> float:
+    """One forward with logits over the calibration windows (what a conversion is compared with)."""
+    t = time.perf_counter()
+    with torch.no_grad():
+        for s in range(0, ids.shape[0], batch_size):
+            model(ids[s : s + batch_size], use_cache=False)
+    return time.perf_counter() - t
+
+
+def convert_row(source: str, budget: float, flags: list[str], out: Path) -> dict:
+    cmd = [sys.executable, "-m", "transmla", "convert", "--model", source, "--out", str(out),
+           "--kv-cache-ratio", str(budget), *flags]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    if p.returncode:
+        raise SystemExit(f"convert failed ({' '.join(cmd)}):\n{p.stderr[-2000:]}")
+    return json.loads(p.stdout)
+
+
+def markdown(res: dict) -> str:
+    pr = res["protocol"]
+    lines = [f"# Conversion ablation: {res['model']}", "",
+             f"Perplexity: first {pr['ppl_tokens']:,} tokens of each test set in {pr['seqlen']}-token windows, "
+             f"ppl = exp(mean NLL). Original model: WikiText-2 {res['original']['wikitext2-test']:.2f}, c4-demo "
+             f"{res['original']['c4-demo']:.2f}. Calibration: {pr['calibration']}. Prompts: greedy "
+             f"{prompts.NEW_TOKENS}-token continuations of {len(prompts.PROMPTS)} prompts; NLL = the original "
+             "model's mean NLL of the continuation (nats/token); rep. = 1 - distinct/total tokens; degen. = "
+             "continuations with rep. > 0.5 or a token repeated 8 times.",
+             f"Convert = wall time of `transmla convert` (load, calibrate, convert, export) next to one plain "
+             f"forward with logits over the same calibration tokens ({res['plain_forward_seconds']:.1f} s); "
+             f"peak RSS of the convert process; float32 model size {res['float32_gib']:.2f} GiB. Machine: "
+             f"{pr['machine']}.", ""]
+    lines += ["| KV cut | RoPE + rank | row | WikiText-2 | c4-demo | prompt NLL | rep. | degen. | convert s (x fwd) | peak RSS GiB |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        lines.append(
+            f"| {100 * (1 - r['kv_cache_ratio']):.2f}% | {r['qk_rope_head_dim']} + {r['kv_lora_rank']} | {r['label']} | "
+            f"{r['wikitext2-test']:.2f} | {r['c4-demo']:.2f} | {r['prompt_nll']:.2f} | {r['prompt_repetition']:.2f} | "
+            f"{r['prompt_degenerate']} | {r['seconds']:.0f} ({r['seconds'] / res['plain_forward_seconds']:.1f}x) | "
+            f"{r['peak_rss_gib']:.2f} |")
+    lines += ["", "Continuations of the best row at each budget:", ""]
+    for r in res["rows"]:
+        if r["row"] == "all":
+            lines.append(f"- {100 * (1 - r['kv_cache_ratio']):.2f}%: " + "; ".join(
+                f"`{p['prompt']}` -> `{p['continuation'].strip()[:80]}`" for p in r["prompts"]))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="any transmla source")
+    ap.add_argument("--budgets", default="0.3125,0.125", help="KV-cache fractions kept")
+    ap.add_argument("--rows", default="all-rows", help=f"comma list of {list(ROWS)} (default: every row)")
+    ap.add_argument("--ppl-tokens", type=int, default=65536)
+    ap.add_argument("--out", default=None, help="default reports/ablation/<model>.json")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rows = list(ROWS) if args.rows == "all-rows" else args.rows.split(",")
+    bad = [r for r in rows if r not in ROWS]
+    if bad:
+        raise SystemExit(f"unknown rows {bad}: choose from {list(ROWS)}")
+    out = Path(args.out or REPO / "reports" / "ablation" / f"{args.model}.json")
+    o = ConvertOptions()
+    protocol = {"ppl_tokens": args.ppl_tokens, "seqlen": 2048, "machine": f"CPU, {torch.get_num_threads()} threads",
+                "calibration": f"{o.cal_nsamples} x {o.cal_seqlen} tokens of {o.cal_dataset}"}
+    res = json.loads(out.read_text()) if out.is_file() else {}
+    if res.get("protocol") != protocol:
+        res = {"model": args.model, "protocol": protocol, "rows": []}
+
+    model, tok = load_model(args.model, dtype="float32")
+    ref = use_causal_padded_sdpa(model)
+    tests = {d: tokenize_corpus(tok, load_texts(d)) for d in DATASETS}
+
+    def ppl(m, d):
+        return perplexity(m, tests[d], 2048, max_tokens=args.ppl_tokens, progress=False)["ppl"]
+
+    if "original" not in res:
+        ids = calibration_ids(tok, load_texts(o.cal_dataset), o.cal_nsamples, o.cal_seqlen, o.seed)
+        res["plain_forward_seconds"] = round(plain_forward_seconds(model, ids, o.cal_batch_size), 2)
+        res["float32_gib"] = round(sum(p.numel() for p in model.parameters()) * 4 / 2**30, 3)
+        res["original"] = {d: round(ppl(ref, d), 3) for d in DATASETS}
+        res["original"].update(prompts.summary(prompts.score_continuations(
+            model, tok, prompts.greedy_continuations(model, tok))))
+    done = {(r["row"], r["budget"]) for r in res["rows"]}
+    from transformers import AutoModelForCausalLM
+
+    for budget in [float(b) for b in args.budgets.split(",")]:
+        for row in rows:
+            if (row, budget) in done:
+                continue
+            label, flags = ROWS[row]
+            with tempfile.TemporaryDirectory() as tmp:
+                info = convert_row(args.model, budget, flags, Path(tmp) / "model")
+                mla = AutoModelForCausalLM.from_pretrained(Path(tmp) / "model", dtype=torch.float32)
+            fast = use_causal_padded_sdpa(mla)
+            p = prompts.score_continuations(model, tok, prompts.greedy_continuations(mla, tok))
+            r = {"row": row, "label": label, "budget": budget, **{k: info[k] for k in (
+                "qk_rope_head_dim", "kv_lora_rank", "kv_cache_ratio", "seconds", "calibration_seconds", "peak_rss_gib")},
+                **{d: round(ppl(fast, d), 3) for d in DATASETS}, **prompts.summary(p), "prompts": p}
+            res["rows"].append(r)
+            res["rows"].sort(key=lambda x: (-x["kv_cache_ratio"], list(ROWS).index(x["row"])))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(out, json.dumps(res, indent=1))
+            write_text_atomic(out.with_suffix(".md"), markdown(res))
+            print(json.dumps({k: v for k, v in r.items() if k != "prompts"}), flush=True)
+            del mla, fast
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Short-prompt check: greedy continuations, scored by a reference model and by their repetition.
+
+Perplexity averages over long windows, where late positions dominate; a conversion can look moderate
+there and still answer a short prompt with " 1000000000000000000" (early positions are hurt most).
+So every conversion is also asked a few short prompts (the paper's case-study four plus a code prompt):
+
+    nll        mean negative log-likelihood of the continuation under the *original* model (nats/token):
+               low = text the original model finds plausible
+    repetition 1 - distinct tokens / tokens of the continuation: ~0.1-0.3 for prose, -> 1 for a loop
+    degenerate repetition > 0.5 or one token repeated 8 times in a row
+"""
+
+from __future__ import annotations
+
+import torch
+
+PROMPTS = (
+    "Hello, my name is",
+    "The president of the United States is",
+    "The capital of France is",
+    "The future of AI is",
+    "def fibonacci(n):",
+)
+NEW_TOKENS = 24
+
+
+def _longest_run(ids: list[int]) -> int:
+    best = run = 1 if ids else 0
+    for a, b in zip(ids, ids[1:]):
+        run = run + 1 if a == b else 1
+        best = max(best, run)
+    return best
+
+
+@torch.no_grad()
+def greedy_continuations(model, tokenizer, prompts=PROMPTS, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """Token ids of each prompt's greedy continuation (exactly `new_tokens`; EOS does not stop it)."""
+    out = []
+    for p in prompts:
+        ids = tokenizer(p, return_tensors="pt").input_ids.to(next(model.parameters()).device)
+        gen = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+@torch.no_grad()
+def score_continuations(reference, tokenizer, continuations: list[list[int]], prompts=PROMPTS) -> list[dict]:
+    """Per prompt: the text, the reference model's mean NLL of the continuation, repetition, degenerate."""
+    rows = []
+    device = next(reference.parameters()).device
+    for p, cont in zip(prompts, continuations, strict=True):
+        ids = tokenizer(p, return_tensors="pt").input_ids[0].tolist()
+        full = torch.tensor([ids + cont], device=device)
+        logp = torch.log_softmax(reference(full).logits[0, :-1].float(), -1)
+        nll = -logp[len(ids) - 1:].gather(1, full[0, len(ids):, None]).mean().item()
+        rep = 1 - len(set(cont)) / max(len(cont), 1)
+        rows.append({"prompt": p, "continuation": tokenizer.decode(cont), "nll": round(nll, 4),
+                     "repetition": round(rep, 4), "degenerate": rep > 0.5 or _longest_run(cont) >= 8})
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """Mean NLL, mean repetition and the number of degenerate continuations."""
+    n = len(rows)
+    return {"prompt_nll": round(sum(r["nll"] for r in rows) / n, 4),
+            "prompt_repetition": round(sum(r["repetition"] for r in rows) / n, 4),
+            "prompt_degenerate": sum(bool(r["degenerate"]) for r in rows)}
