@@ -60,7 +60,7 @@ def plain_forward_seconds(model, ids: torch.Tensor, batch_size: int) -> float:
 
 
 def convert_row(source: str, budget: float, flags: list[str], out: Path) -> dict:
-    cmd = [sys.executable, "-m", "transmla", "convert", "--model", source, "--out", str(out),
+    cmd = [sys.executable, "-m", "transmla.cli", "convert", "--model", source, "--out", str(out),
            "--kv-cache-ratio", str(budget), *flags]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if p.returncode:
@@ -103,6 +103,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="0.3125,0.125", help="KV-cache fractions kept")
     ap.add_argument("--rows", default="all-rows", help=f"comma list of {list(ROWS)} (default: every row)")
     ap.add_argument("--ppl-tokens", type=int, default=65536)
+    ap.add_argument("--seqlen", type=int, default=2048, help="perplexity window")
     ap.add_argument("--out", default=None, help="default reports/ablation/<model>.json")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -112,7 +113,7 @@ def main() -> None:
         raise SystemExit(f"unknown rows {bad}: choose from {list(ROWS)}")
     out = Path(args.out or REPO / "reports" / "ablation" / f"{args.model}.json")
     o = ConvertOptions()
-    protocol = {"ppl_tokens": args.ppl_tokens, "seqlen": 2048, "machine": f"CPU, {torch.get_num_threads()} threads",
+    protocol = {"ppl_tokens": args.ppl_tokens, "seqlen": args.seqlen, "machine": f"CPU, {torch.get_num_threads()} threads",
                 "calibration": f"{o.cal_nsamples} x {o.cal_seqlen} tokens of {o.cal_dataset}"}
     res = json.loads(out.read_text()) if out.is_file() else {}
     if res.get("protocol") != protocol:
@@ -123,7 +124,7 @@ def main() -> None:
     tests = {d: tokenize_corpus(tok, load_texts(d)) for d in DATASETS}
 
     def ppl(m, d):
-        return perplexity(m, tests[d], 2048, max_tokens=args.ppl_tokens, progress=False)["ppl"]
+        return perplexity(m, tests[d], args.seqlen, max_tokens=args.ppl_tokens, progress=False)["ppl"]
 
     if "original" not in res:
         ids = calibration_ids(tok, load_texts(o.cal_dataset), o.cal_nsamples, o.cal_seqlen, o.seed)
