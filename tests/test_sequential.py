@@ -37,10 +37,10 @@ def _logprobs(model, ids):
         return torch.log_softmax(model(ids).logits.float(), -1)
 
 
-@pytest.mark.parametrize("mode", [dict(calibration="sequential"), dict(calibration="two_pass"),
-                                  dict(calibration="sequential", refit=True)])
+@pytest.mark.parametrize("mode", [dict(calibration="sequential"), dict(calibration="two_pass")])
 def test_streamed_conversion_is_lossless_at_full_rank(tiny, mode):
-    """All RoPE kept and full rank: every calibration mode (and the refit) reproduces the model."""
+    """All RoPE kept and full rank: every calibration mode reproduces the model (lossless has no refit:
+    a damped least squares on finite data would only perturb an exact W_UV; test_refit_is_exact_at_full_rank)."""
     model, tok, spec, ids = tiny
     o = ConvertOptions(lossless=True, **mode)
     budget, layers, _ = _convert(tiny, o)

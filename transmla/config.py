@@ -178,12 +178,12 @@ class ConvertOptions(Options):
 
     def normalized(self) -> "ConvertOptions":
         """Options a method ignores set to one canonical value, so they never split a cache or a record:
-        MHA2MLA has no FreqFold, balancing, PCA mode or metric; lossless TransMLA keeps every frequency."""
+        MHA2MLA has no FreqFold, balancing, PCA mode or metric; lossless TransMLA keeps every frequency and has no refit."""
         if self.method == "mha2mla":
             return self.replace(freqfold=1, balance_kv=False, pca="weights", attention_aware=False,
                                 calibration="parallel", refit=False)
-        if self.lossless:
-            return self.replace(freqfold=1)
+        if self.lossless:  # exact by construction: nothing for a least-squares refit to improve
+            return self.replace(freqfold=1, refit=False)
         return self
 
     @property
