@@ -115,7 +115,8 @@ def attention_weights(model, layer: int) -> AttentionWeights:
 def shared_state_dict(model) -> dict[str, torch.Tensor]:
     """Every non-attention tensor, under names DeepSeek-V3 also uses (embeddings, norms, dense MLP).
 
-    lm_head is always explicit: vLLM's DeepSeek model has its own lm_head, tied or not.
+    lm_head is always explicit: vLLM's DeepSeek model has its own lm_head, tied or not. A tied one
+    shares the embedding's storage here (no copy in memory); the writer stores it under both names.
     """
     out = {}
     for name, t in model.state_dict().items():
@@ -124,5 +125,4 @@ def shared_state_dict(model) -> dict[str, torch.Tensor]:
         out[name] = t.detach()
     if "lm_head.weight" not in out:
         out["lm_head.weight"] = model.get_output_embeddings().weight.detach()
-    out["lm_head.weight"] = out["lm_head.weight"].clone()  # untie storage for safetensors
     return out

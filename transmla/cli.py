@@ -15,6 +15,7 @@ from transmla.config import FINETUNE_CORPORA, FREQFOLDS, METHODS, ConvertOptions
 from transmla.errors import TransMLAError
 from transmla.io.paths import write_text_atomic
 from transmla.io.sources import DEFAULT_SOURCE, SYNTAX_HELP
+from transmla.runtime.memory import limit_heap_fragmentation
 
 SOURCE_HELP = f"model source (default {DEFAULT_SOURCE}); {SYNTAX_HELP}"
 CO, EV = ConvertOptions.model_fields, EvaluationOptions.model_fields
@@ -200,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     _offline_defaults()
+    limit_heap_fragmentation()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from transmla.adapters import GQASpec, attention_weights, read_spec
@@ -36,14 +37,25 @@ def mla_shapes(spec: GQASpec, budget: Budget, o: ConvertOptions) -> MLAShapes:
     return MLAShapes(spec.h, spec.d, budget.rope_dim, budget.kv_lora_rank, o.norm_eps, budget.plan)
 
 
+def second_pass_layer(w, m, spec: GQASpec, rot, budget: Budget, o: ConvertOptions) -> tuple[MLALayer, MLAShapes]:
+    """The authors' second pass: layer l with RoPE dropped as planned but no rank cut (the layer whose
+    output the two-pass mode's BKV statistics of layer l+1 come from)."""
+    full = Budget(budget.plan, 2 * spec.g * spec.d - budget.rope_dim, budget.original_kv)
+    basis = basis_step(w, m, spec, rot, full.kv_lora_rank, **o.normalized().basis_options())
+    return layer_step(w, m, spec, rot, basis, o.q_lora_rank, o.norm_eps)[0], mla_shapes(spec, full, o)
+
+
 def convert_layers(model, stats: CalibrationStats | None, spec: GQASpec, budget: Budget, o: ConvertOptions,
-                   progress: bool = True, stream: LayerStream | None = None) -> tuple[list[MLALayer], list[dict]]:
+                   progress: bool = True, stream: LayerStream | None = None,
+                   store_dtype: torch.dtype = torch.float64) -> tuple[list[MLALayer], list[dict]]:
     """Every layer's MLA weights and diagnostics.
 
     o.calibration = parallel: every step uses `stats` (the original model's moments); two_pass: the
     rotation uses `stats`, the basis the moments of `stream` pushed through RoPE-dropped full-rank
     layers (the authors' second pass); sequential: everything uses `stream` pushed through the
     converted layers. o.refit needs `stream` in every mode (o.streamed says when one is needed).
+    Built layers are kept in `store_dtype` (convert() passes the export dtype: no float64 copy of
+    every layer's attention until export).
     """
     n = o.normalized()
     if o.streamed and stream is None:
@@ -63,12 +75,10 @@ def convert_layers(model, stats: CalibrationStats | None, spec: GQASpec, budget:
         if n.calibration == "sequential":
             stream.advance(i, layer, mla_shapes(spec, budget, o))
         elif n.calibration == "two_pass":
-            full = Budget(budget.plan, 2 * spec.g * spec.d - budget.rope_dim, budget.original_kv)
-            fb = basis_step(w, m, spec, rot, full.kv_lora_rank, **n.basis_options())
-            stream.advance(i, layer_step(w, m, spec, rot, fb, o.q_lora_rank, o.norm_eps)[0], mla_shapes(spec, full, o))
+            stream.advance(i, *second_pass_layer(w, m, spec, rot, budget, o))
         elif stream is not None:
             stream.advance(i, None)
-        layers.append(layer)
+        layers.append(layer.cast(store_dtype))
         diags.append(diag)
     return layers, diags
 
@@ -97,8 +107,8 @@ def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_di
     stats = collect_stats(model, ids, o.cal_batch_size, progress) if n.calibration != "sequential" else None
     stream = LayerStream(model, ids, o.cal_batch_size, progress) if o.streamed else None
     cal_seconds = time.perf_counter() - t_cal
-    layers, diags = convert_layers(model, stats, spec, budget, o, progress, stream)
-    del stream
+    layers, diags = convert_layers(model, stats, spec, budget, o, progress, stream, getattr(torch, o.dtype))
+    del stream, stats  # the export needs the weights only
     metadata = conversion_metadata(info, spec, budget, o, diags, ids.numel())
     config, sd = assemble(model, spec, budget, layers, o)
     write_checkpoint(out, config, sd, tok, metadata)

@@ -7,6 +7,8 @@ half-written model behind.
 from __future__ import annotations
 
 import json
+import struct
+import sys
 from pathlib import Path
 
 import torch
@@ -83,6 +85,9 @@ def instantiate(config, state_dict: dict[str, torch.Tensor]):
     from transformers import DeepseekV3ForCausalLM
 
     check_state_dict(config, state_dict)
+    emb, head = state_dict["model.embed_tokens.weight"], state_dict["lm_head.weight"]
+    if not config.tie_word_embeddings and head.untyped_storage().data_ptr() == emb.untyped_storage().data_ptr():
+        state_dict = {**state_dict, "lm_head.weight": head.clone()}  # an untied model owns its lm_head
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(config)
     model.load_state_dict(state_dict, assign=True, strict=True)
@@ -90,16 +95,64 @@ def instantiate(config, state_dict: dict[str, torch.Tensor]):
     return model.eval()
 
 
+# safetensors' dtype codes, in the order of its Rust Dtype enum (its writer sorts by it, see below)
+_ST_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int32: "I32", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64"}
+_ST_RANK = {dt: i for i, dt in enumerate(_ST_DTYPES)}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """One safetensors file, written one tensor at a time.
+
+    safetensors.torch.save_file first copies the whole file's bytes into memory (a second copy of the
+    weights); this writes the same bytes (8-byte header length, JSON header, data; tensors ordered by
+    dtype, widest first, then name, as safetensors orders them) from the tensors' own memory, so an
+    export is byte-identical to one written by save_file. Tensors may share storage (a tied lm_head
+    is written twice).
+    """
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors is little-endian; this writer does not byte-swap")
+    for name, t in tensors.items():
+        if t.dtype not in _ST_DTYPES:
+            raise TypeError(f"{name}: dtype {t.dtype} has no safetensors code here")
+    tensors = dict(sorted(tensors.items(), key=lambda kv: (-_ST_RANK[kv[1].dtype], kv[0])))
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
+def write_sharded(out: Path, state_dict: dict[str, torch.Tensor], max_shard_size: str = "5GB") -> None:
+    """HF's sharded layout (huggingface_hub plans the shards; index.json when more than one), written
+    with write_safetensors: no copy of the weights in memory."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    split = split_torch_state_dict_into_shards(state_dict, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        write_safetensors(out / filename, {k: state_dict[k] for k in names})
+    if split.is_sharded:
+        total = sum(t.numel() * t.element_size() for t in state_dict.values())
+        index = {"metadata": {**split.metadata, "total_size": total}, "weight_map": split.tensor_to_filename}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
 def write_checkpoint(out: str | Path, config, state_dict: dict[str, torch.Tensor], tokenizer, metadata: dict) -> Path:
     """Write config + safetensors + tokenizer + metadata atomically to `out`."""
-    from huggingface_hub import save_torch_state_dict
-
     out = new_output_dir(out)
     check_state_dict(config, state_dict)
     with atomic_dir(out) as tmp:
         config.transmla = {k: v for k, v in metadata.items() if k != "layers"}  # per-layer details: report file
         config.save_pretrained(tmp)
-        save_torch_state_dict(state_dict, tmp, max_shard_size="5GB", safe_serialization=True)
+        write_sharded(tmp, state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / "transmla_report.json").write_text(json.dumps(metadata, indent=2, default=str))

@@ -45,7 +45,7 @@ NORM_TOL = 1e-6
 
 @dataclass
 class MLALayer:
-    """Weights of one DeepseekV3Attention, float64, in nn.Linear [out, in] layout.
+    """Weights of one DeepseekV3Attention, float64 (cast() once built), in nn.Linear [out, in] layout.
 
     Exactly one of q_proj / (q_a_proj, q_b_proj) is set. RoPE rows are interleaved.
     """
@@ -76,6 +76,10 @@ class MLALayer:
         """float64 weights under DeepseekV3Attention's parameter names."""
         return self.state_dict("", torch.float64)
 
+    def cast(self, dtype: torch.dtype) -> "MLALayer":
+        """The same layer stored in `dtype` (the export's: a converter holds every built layer until export)."""
+        return MLALayer.from_tensors(self.state_dict("", dtype))
+
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor]) -> "MLALayer":
         g = t.get
@@ -83,6 +87,11 @@ class MLALayer:
                    kv_a_norm=t["kv_a_layernorm.weight"], kv_b_proj=t["kv_b_proj.weight"], o_proj=t["o_proj.weight"],
                    o_bias=g("o_proj.bias"), q_proj=g("q_proj.weight"), q_a_proj=g("q_a_proj.weight"),
                    q_a_bias=g("q_a_proj.bias"), q_a_norm=g("q_a_layernorm.weight"), q_b_proj=g("q_b_proj.weight"))
+
+
+def head_value_bias(bv: torch.Tensor | None, h: int, g: int, d: int) -> torch.Tensor | None:
+    """The value bias per query head [h*d] (each KV head's bias repeated for its h/g query heads)."""
+    return None if bv is None else bv.view(g, d).repeat_interleave(h // g, 0).reshape(-1)
 
 
 def norm_identity_scale(mean_sq: float, eps: float) -> float:
@@ -152,8 +161,7 @@ def build_mla_layer(
     # o_proj; the value bias moves here: sum_t a_t (v_t + b) = sum_t a_t v_t + b
     o_bias = w.bo.clone() if w.bo is not None else None
     if w.bv is not None:
-        bv_heads = w.bv.view(g, d).repeat_interleave(h // g, 0).reshape(-1)
-        o_bias = (o_bias if o_bias is not None else 0) + w.wo @ bv_heads
+        o_bias = (o_bias if o_bias is not None else 0) + w.wo @ head_value_bias(w.bv, h, g, d)
 
     wq, bq = query_weights(w, rot, h, g, d)
     has_bias = any(b is not None for b in (w.bq, w.bk, w.bv, w.bo))

@@ -7,7 +7,7 @@ from dataclasses import replace
 from transmla.adapters import AttentionWeights, GQASpec
 from transmla.method.bkv import JointBasis
 from transmla.method.calibration import LayerMoments
-from transmla.method.mla import MLALayer, build_mla_layer
+from transmla.method.mla import MLALayer, build_mla_layer, head_value_bias
 from transmla.method.refit import RefitMoments, refit_values
 from transmla.method.rorope import KeyRotation
 
@@ -20,9 +20,7 @@ def layer_step(w: AttentionWeights, m: LayerMoments, spec: GQASpec, rot: KeyRota
 
 def value_bias(w: AttentionWeights, spec: GQASpec):
     """The value bias per query head [h d] (None without one): the refit's targets exclude it (it moves to o_proj)."""
-    if w.bv is None:
-        return None
-    return w.bv.view(spec.g, spec.d).repeat_interleave(spec.h // spec.g, 0).reshape(-1)
+    return head_value_bias(w.bv, spec.h, spec.g, spec.d)
 
 
 def refit_step(layer: MLALayer, m: RefitMoments, spec: GQASpec, damp: float) -> tuple[MLALayer, dict]:
