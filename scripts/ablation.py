@@ -131,6 +131,7 @@ def main() -> None:
         res["plain_forward_seconds"] = round(plain_forward_seconds(model, ids, o.cal_batch_size), 2)
         res["float32_gib"] = round(sum(p.numel() for p in model.parameters()) * 4 / 2**30, 3)
         res["original"] = {d: round(ppl(ref, d), 3) for d in DATASETS}
+    if "prompt_nll" not in res["original"]:
         res["original"].update(prompts.summary(prompts.score_continuations(
             model, tok, prompts.greedy_continuations(model, tok))))
     done = {(r["row"], r["budget"]) for r in res["rows"]}

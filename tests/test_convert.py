@@ -267,3 +267,28 @@ def test_mha2mla_selects_whole_pairs_and_exports(tiny):
     for p in range(4):  # the imaginary row of each RoPE pair is its real row's partner (+d/2)
         assert rot.T[4 + p].argmax() == rot.T[p].argmax() + half
     assert torch.isfinite(_logprobs(_in_memory(tiny, o), _text_ids(tok))).all()
+
+
+@pytest.mark.parametrize("which", ["original", "mla"])
+def test_padded_sdpa_matches_sdpa_with_a_cache(tiny, which):
+    """The evaluation attention (runtime.fast_attention) on a KV cache: a chunk after a prefix and
+    single decode steps give the full forward's logits (SDPA's is_causal alone is top-left aligned)."""
+    from transformers import DynamicCache
+
+    from transmla.runtime.fast_attention import use_causal_padded_sdpa
+
+    model, tok, _, _ = tiny
+    m = model if which == "original" else _in_memory(tiny, paper(kv_cache_ratio=0.5))
+    ids = _text_ids(tok, 24)
+    full = _logprobs(m, ids)
+    impl = m.config._attn_implementation
+    try:
+        use_causal_padded_sdpa(m)
+        assert torch.allclose(_logprobs(m, ids), full, atol=1e-4)
+        cache, got = DynamicCache(config=m.config), []
+        with torch.no_grad():
+            for a, b in [(0, 12), (12, 17), *[(t, t + 1) for t in range(17, 24)]]:  # prefill, chunk, decode
+                got.append(m(ids[:, a:b], past_key_values=cache, use_cache=True).logits.float())
+        assert torch.allclose(torch.log_softmax(torch.cat(got, 1), -1), full, atol=1e-4)
+    finally:
+        m.config._attn_implementation = impl

@@ -11,7 +11,6 @@ The Prefect tasks (tasks/) run the very same step functions one at a time, cache
 
 from __future__ import annotations
 
-import resource
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from transmla.pipeline.budget import Budget, resolve_budget
 from transmla.pipeline.layer import layer_step, refit_step, value_bias
 from transmla.pipeline.rotation import rotation_step
 from transmla.pipeline.stream import LayerStream, MLAShapes
+from transmla.runtime.memory import peak_rss_bytes
 
 __all__ = ["Budget", "ConvertOptions", "assemble", "convert", "convert_layers", "resolve_budget"]
 
@@ -84,7 +84,7 @@ def convert_layers(model, stats: CalibrationStats | None, spec: GQASpec, budget:
 
 
 def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+    return peak_rss_bytes() / 2**30
 
 
 def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_dir=None, progress=True) -> dict:

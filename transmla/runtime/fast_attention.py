@@ -3,11 +3,13 @@
 DeepSeek's value head (d) is narrower than its query/key head (d + R); torch's SDPA then falls
 back to its slow "math" kernel on CPU (2x slower end to end on SmolLM2). Zero-padding the values to
 the key width keeps the fused kernel and gives identical outputs after slicing. Only valid without
-padding masks (perplexity windows), so it is opt-in: `use_causal_padded_sdpa(model)`.
+padding masks (perplexity windows, single-sequence generation), so it is opt-in:
+`use_causal_padded_sdpa(model)`.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 NAME = "causal_padded_sdpa"
@@ -19,7 +21,17 @@ def causal_padded_sdpa(module, query, key, value, attention_mask, scaling=None, 
     if dv < query.shape[-1]:
         value = F.pad(value, (0, query.shape[-1] - dv))
     gqa = query.shape[1] != key.shape[1]  # GQA models (the originals) share K/V heads
-    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    tq, tk = query.shape[-2], key.shape[-2]
+    if tq == tk:
+        mask, causal = None, True
+    elif tq == 1:
+        mask, causal = None, False  # one decode step: the last position sees every cached key
+    else:
+        # queries after a cache (chunked prefill): SDPA's is_causal aligns the mask top-left, the
+        # cache needs it bottom-right
+        mask, causal = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq), False
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scaling,
+                                         enable_gqa=gqa)
     return out[..., :dv].transpose(1, 2).contiguous(), None
 
 

@@ -17,14 +17,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import re
-import resource
 import sys
 import time
 
 import torch
 
 from transmla.errors import TransMLAError
+from transmla.runtime.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 BACKENDS = ("hf", "absorb")
 GIB = 2**30
@@ -116,37 +115,6 @@ def cache_nbytes(cache) -> int:
 # --------------------------------------------------------------------------------------------------
 # Memory
 # --------------------------------------------------------------------------------------------------
-
-
-def _status_kib(field: str) -> int | None:
-    try:
-        m = re.search(rf"^{field}:\s+(\d+) kB", open("/proc/self/status").read(), re.M)
-    except OSError:
-        return None
-    return int(m.group(1)) if m else None
-
-
-def reset_peak_rss() -> str:
-    """Reset the process's peak RSS (Linux: `echo 5 > /proc/self/clear_refs` resets VmHWM) so the next
-    reading is the peak of one run. Returns how peaks are measured."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return "VmHWM after reset (per-run peak RSS of the whole process, incl. model weights)"
-    except OSError:
-        return "ru_maxrss (process-lifetime peak RSS: monotone across runs)"
-
-
-def peak_rss_bytes() -> int:
-    hwm = _status_kib("VmHWM")
-    if hwm is not None:
-        return hwm * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def rss_bytes() -> int | None:
-    kib = _status_kib("VmRSS")
-    return None if kib is None else kib * 1024
 
 
 # --------------------------------------------------------------------------------------------------
