@@ -1,0 +1,59 @@
+"""The chunked recovery losses (training.distill) against the direct full-logits computation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from transmla.training.distill import recovery_loss
+
+
+def _case(seed=0, B=2, T=7, D=5, V=11):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, T, D, generator=g, dtype=torch.float64).requires_grad_()
+    w = torch.randn(V, D, generator=g, dtype=torch.float64).requires_grad_()
+    ids = torch.randint(0, V, (B, T), generator=g)
+    th = torch.randn(B, T, 3, generator=g, dtype=torch.float64)
+    tw = torch.randn(V, 3, generator=g, dtype=torch.float64)
+    return h, w, ids, th, tw
+
+
+def _direct(h, w, ids, th, tw, tau):
+    s = (h[:, :-1] @ w.T).reshape(-1, w.shape[0]).double()
+    lm = F.cross_entropy(s, ids[:, 1:].reshape(-1))
+    p = F.softmax((th[:, :-1] @ tw.T).reshape(-1, w.shape[0]) / tau, -1)
+    kd = (p * (p.log() - F.log_softmax(s / tau, -1))).sum(-1).mean() * tau**2
+    return lm, kd
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+@pytest.mark.parametrize("objective", ["lm", "kd", "kd+lm"])
+def test_chunked_losses_and_gradients_match_full_logits(chunk, objective):
+    h, w, ids, th, tw = _case()
+    tau = 2.0
+    loss, parts = recovery_loss(h, w, ids, objective, th, tw, tau=tau, kd_weight=0.5, chunk=chunk)
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    lm, kd = _direct(h, w, ids, th, tw, tau)
+    ref = {"lm": lm, "kd": kd, "kd+lm": 0.5 * kd + lm}[objective]
+    rh, rw = torch.autograd.grad(ref, (h, w))
+    assert torch.allclose(loss.double(), ref, atol=1e-5)
+    assert parts["lm"] == pytest.approx(lm.item(), abs=1e-5)
+    assert (parts["kd"] is None) == (objective == "lm")
+    assert torch.allclose(gh, rh, atol=1e-5) and torch.allclose(gw, rw, atol=1e-5)
+
+
+def test_kd_is_zero_with_no_gradient_when_student_is_teacher():
+    h, w, ids, _, _ = _case()
+    teacher_h, teacher_w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    loss, _ = recovery_loss(h, w, ids, "kd", teacher_h, teacher_w, tau=1.5, chunk=3)
+    loss.backward()
+    assert abs(loss.item()) < 1e-6
+    assert h.grad.abs().max() < 1e-6 and w.grad.abs().max() < 1e-6
+    assert teacher_h.grad is None and teacher_w.grad is None  # the teacher is never trained
+
+
+def test_kd_objective_needs_a_teacher():
+    h, w, ids, _, _ = _case()
+    with pytest.raises(ValueError, match="teacher"):
+        recovery_loss(h, w, ids, "kd")
+    with pytest.raises(ValueError, match="objective"):
+        recovery_loss(h, w, ids, "mse")
