@@ -33,7 +33,3 @@ for _k, _v in _DEFAULTS.items():
 # Prefect's server cannot create its sqlite file in a missing directory ("unable to open database file").
 Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
 STORE.mkdir(parents=True, exist_ok=True)
-
-from transmla.runtime.memory import limit_heap_fragmentation  # noqa: E402
-
-limit_heap_fragmentation()  # every task process converts or evaluates models: see the function
