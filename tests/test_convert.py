@@ -292,3 +292,19 @@ def test_padded_sdpa_matches_sdpa_with_a_cache(tiny, which):
         assert torch.allclose(torch.log_softmax(torch.cat(got, 1), -1), full, atol=1e-4)
     finally:
         m.config._attn_implementation = impl
+
+
+@pytest.mark.parametrize("argv, want", [
+    ([], {"calibration": "sequential", "refit": True, "attention_aware": True}),
+    (["--paper"], {"calibration": "parallel", "refit": False, "attention_aware": False}),
+    (["--paper", "--calibration", "two_pass"], {"calibration": "two_pass", "refit": False, "attention_aware": False}),
+    (["--paper", "--refit"], {"calibration": "parallel", "refit": True, "attention_aware": False}),
+    (["--no-refit"], {"calibration": "sequential", "refit": False, "attention_aware": True}),
+])
+def test_cli_mode_flags_override_paper(argv, want):
+    """--paper sets the paper's modes; a mode flag given explicitly still applies (the ablation rows)."""
+    from transmla.cli import build_parser, convert_options
+
+    args = build_parser().parse_args(["convert", "--out", "x", *argv])
+    o = convert_options(args)
+    assert {k: getattr(o, k) for k in want} == want

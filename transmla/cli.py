@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from transmla.config import FINETUNE_CORPORA, FREQFOLDS, METHODS, ConvertOptions, EvaluationOptions, FinetuneConfig
+from transmla.config import PAPER_TRANSMLA, FINETUNE_CORPORA, FREQFOLDS, METHODS, ConvertOptions, EvaluationOptions, FinetuneConfig
 from transmla.errors import TransMLAError
 from transmla.io.paths import write_text_atomic
 from transmla.io.sources import DEFAULT_SOURCE, SYNTAX_HELP
@@ -58,9 +58,19 @@ def cmd_convert(args) -> dict:
 
     limit_heap_fragmentation()  # conversions only: it costs evaluation and training ~20% speed
 
-    if args.paper:
-        args.calibration, args.refit, args.attention_aware = "parallel", False, False
-    opts = ConvertOptions(
+    meta = convert(args.model, args.out, convert_options(args), cache=args.cache_dir, data_dir=args.data_dir)
+    keys = ("method", "source", "qk_rope_head_dim", "kv_lora_rank", "kv_cache_ratio", "kv_cache_reduction",
+            "mean_alpha", "calibration_seconds", "seconds", "peak_rss_gib", "notes")
+    return {"out": str(args.out), **{k: meta[k] for k in keys}}
+
+
+def convert_options(args) -> ConvertOptions:
+    """The options of `transmla convert`: --paper sets the paper's modes, explicit mode flags win."""
+    base = PAPER_TRANSMLA if args.paper else {k: ConvertOptions.model_fields[k].default for k in PAPER_TRANSMLA}
+    for k, v in base.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return ConvertOptions(
         method=args.method, kv_cache_ratio=args.kv_cache_ratio, qk_rope_dim=args.qk_rope_dim,
         kv_lora_rank=args.kv_lora_rank, freqfold=args.freqfold, q_lora_rank=args.q_lora_rank,
         balance_kv=not args.no_balance_kv, attention_aware=args.attention_aware, pca=args.pca,
@@ -68,10 +78,6 @@ def cmd_convert(args) -> dict:
         cal_nsamples=args.cal_nsamples, cal_seqlen=args.cal_seqlen, seed=args.seed, dtype=args.dtype,
         device=args.device, latent_norm_eps=args.latent_norm_eps,
     )
-    meta = convert(args.model, args.out, opts, cache=args.cache_dir, data_dir=args.data_dir)
-    keys = ("method", "source", "qk_rope_head_dim", "kv_lora_rank", "kv_cache_ratio", "kv_cache_reduction",
-            "mean_alpha", "calibration_seconds", "seconds", "peak_rss_gib", "notes")
-    return {"out": str(args.out), **{k: meta[k] for k in keys}}
 
 
 def cmd_eval(args) -> dict:
@@ -147,16 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"adjacent frequencies per RoRoPE PCA (default {CO['freqfold'].default})")
     c.add_argument("--q-lora-rank", type=int, default=None, help="low-rank queries from PCA of query activations")
     c.add_argument("--no-balance-kv", action="store_true", help="ablation: skip the key/value norm balancing")
-    c.add_argument("--attention-aware", action=argparse.BooleanOptionalAction, default=CO["attention_aware"].default,
+    c.add_argument("--attention-aware", action=argparse.BooleanOptionalAction, default=None,
                    help="extension: joint PCA weighted by query and o_proj metrics (what attention actually uses)")
     c.add_argument("--pca", default=CO["pca"].default, choices=["activations", "weights"], help="joint KV PCA basis source")
-    c.add_argument("--calibration", default=CO["calibration"].default, choices=["parallel", "two_pass", "sequential"],
+    c.add_argument("--calibration", default=None, choices=["parallel", "two_pass", "sequential"],
                    help="statistics of the original model (parallel, the paper), recomputed with RoPE dropped "
                         "(two_pass, the authors' code) or layer by layer on the converted model (sequential, default)")
-    c.add_argument("--refit", action=argparse.BooleanOptionalAction, default=CO["refit"].default,
+    c.add_argument("--refit", action=argparse.BooleanOptionalAction, default=None,
                    help="extension: least-squares refit of the value up-projections to the original layers' outputs")
     c.add_argument("--paper", action="store_true",
-                   help="the paper's TransMLA exactly: --calibration parallel --no-refit --no-attention-aware")
+                   help="the paper's TransMLA: --calibration parallel --no-refit --no-attention-aware unless "
+                        "given explicitly (ablations: --paper --refit)")
     c.add_argument("--lossless", action="store_true", help="keep RoPE on all g*d key dims, no rank cut (exact)")
     c.add_argument("--cal-nsamples", type=int, default=CO["cal_nsamples"].default, help="calibration sequences")
     c.add_argument("--cal-seqlen", type=int, default=CO["cal_seqlen"].default, help="tokens per calibration sequence")
