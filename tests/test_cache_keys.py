@@ -135,7 +135,13 @@ def test_cli_defaults_are_the_params_defaults():
     for flag, field in (("freqfold", "freqfold"), ("pca", "pca"), ("cal_nsamples", "cal_nsamples"),
                         ("cal_seqlen", "cal_seqlen"), ("seed", "seed"), ("dtype", "dtype"), ("method", "method")):
         assert conv[flag] == getattr(o, field), flag
-    assert conv["no_balance_kv"] is (not o.balance_kv) and conv["attention_aware"] is o.attention_aware
+    assert conv["no_balance_kv"] is (not o.balance_kv)
+    # mode flags default to "unset" so that --paper can fill them; unset, they resolve to the library's
+    from transmla.cli import convert_options
+
+    eff = convert_options(build_parser().parse_args(["convert", "--out", "x"]))
+    for field in ("attention_aware", "calibration", "refit"):
+        assert getattr(eff, field) == getattr(o, field), field
     ft = {a.dest: a.default for a in sub["finetune"]._actions}
     params = FinetuneParams()
     for name in FinetuneConfig.model_fields:
