@@ -10,6 +10,12 @@ and peak RSS are its own), then on the exported stock DeepseekV3 checkpoint:
     (transmla.evaluation.prompts).
 Next to them: one plain forward (with logits) of the original model over the calibration tokens, and
 the model's float32 size. Rows already in the JSON with the same protocol are kept (resumable).
+
+    .venv/bin/python scripts/ablation.py --model smollm2-135m --retime
+
+re-runs every row's conversion (and the plain forward) only for its wall time and peak RSS, keeping
+the quality columns (conversions are deterministic): run it on a quiet machine, since a time taken
+beside other work is not a measurement.
 """
 
 from __future__ import annotations
@@ -68,6 +74,24 @@ def convert_row(source: str, budget: float, flags: list[str], out: Path) -> dict
     return json.loads(p.stdout)
 
 
+def save(res: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, json.dumps(res, indent=1))
+    write_text_atomic(out.with_suffix(".md"), markdown(res))
+
+
+def retime(args, res: dict, out: Path, model, tok, o: ConvertOptions) -> None:
+    """Conversion wall time and peak RSS of every row again, next to a fresh plain forward."""
+    ids = calibration_ids(tok, load_texts(o.cal_dataset), o.cal_nsamples, o.cal_seqlen, o.seed)
+    res["plain_forward_seconds"] = round(plain_forward_seconds(model, ids, o.cal_batch_size), 2)
+    for r in res["rows"]:
+        with tempfile.TemporaryDirectory() as tmp:
+            info = convert_row(args.model, r["budget"], ROWS[r["row"]][1], Path(tmp) / "model")
+        r.update({k: info[k] for k in ("seconds", "calibration_seconds", "peak_rss_gib")})
+        save(res, out)
+        print(json.dumps({k: r[k] for k in ("row", "budget", "seconds", "peak_rss_gib")}), flush=True)
+
+
 def markdown(res: dict) -> str:
     pr = res["protocol"]
     lines = [f"# Conversion ablation: {res['model']}", "",
@@ -80,7 +104,7 @@ def markdown(res: dict) -> str:
              f"Convert = wall time of `transmla convert` (load, calibrate, convert, export) next to one plain "
              f"forward with logits over the same calibration tokens ({res['plain_forward_seconds']:.1f} s); "
              f"peak RSS of the convert process; float32 model size {res['float32_gib']:.2f} GiB. Machine: "
-             f"{pr['machine']}.", ""]
+             f"{pr['machine']}; times taken one process at a time on an otherwise idle machine.", ""]
     lines += ["| KV cut | RoPE + rank | row | WikiText-2 | c4-demo | prompt NLL | rep. | degen. | convert s (x fwd) | peak RSS GiB |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
@@ -105,6 +129,7 @@ def main() -> None:
     ap.add_argument("--ppl-tokens", type=int, default=65536)
     ap.add_argument("--seqlen", type=int, default=2048, help="perplexity window")
     ap.add_argument("--out", default=None, help="default reports/ablation/<model>.json")
+    ap.add_argument("--retime", action="store_true", help="re-measure conversion times and peak RSS of the rows only")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows = list(ROWS) if args.rows == "all-rows" else args.rows.split(",")
@@ -134,6 +159,8 @@ def main() -> None:
     if "prompt_nll" not in res["original"]:
         res["original"].update(prompts.summary(prompts.score_continuations(
             model, tok, prompts.greedy_continuations(model, tok))))
+    if args.retime:
+        return retime(args, res, out, model, tok, o)
     done = {(r["row"], r["budget"]) for r in res["rows"]}
     from transformers import AutoModelForCausalLM
 
@@ -152,9 +179,7 @@ def main() -> None:
                 **{d: round(ppl(fast, d), 3) for d in DATASETS}, **prompts.summary(p), "prompts": p}
             res["rows"].append(r)
             res["rows"].sort(key=lambda x: (-x["kv_cache_ratio"], list(ROWS).index(x["row"])))
-            out.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(out, json.dumps(res, indent=1))
-            write_text_atomic(out.with_suffix(".md"), markdown(res))
+            save(res, out)
             print(json.dumps({k: v for k, v in r.items() if k != "prompts"}), flush=True)
             del mla, fast
 

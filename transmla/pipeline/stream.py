@@ -58,11 +58,17 @@ def _rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 
 def mla_attention(x: torch.Tensor, layer: dict[str, torch.Tensor], s: MLAShapes, cos: torch.Tensor,
-                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  sin: torch.Tensor) -> torch.Tensor:
     """Causal DeepseekV3Attention over x [B, T, D] in absorbed form (the same scores and outputs as the
     stock module; transmla.runtime.absorb). layer: MLALayer.to_tensors() in x's dtype; cos/sin
-    [B, T, d] of the original model's RoPE (rotate_half layout). Returns (output [B, T, D],
-    z [B, h, T, r]: the per-head attention-weighted latent, sum_t p_t c_t)."""
+    [B, T, d] of the original model's RoPE (rotate_half layout). Returns the output [B, T, D]."""
+    return _output(attention_latents(x, layer, s, cos, sin), layer, s)
+
+
+def attention_latents(x: torch.Tensor, layer: dict[str, torch.Tensor], s: MLAShapes, cos: torch.Tensor,
+                      sin: torch.Tensor) -> torch.Tensor:
+    """z [B, h, T, r]: each head's attention-weighted latent sum_t p_t c_t (mla_attention before W_UV and
+    o_proj; all the refit needs)."""
     B, T, _ = x.shape
     h, d, R, r = s.h, s.d, s.R, s.r
     if "q_proj.weight" in layer:
@@ -87,7 +93,7 @@ def mla_attention(x: torch.Tensor, layer: dict[str, torch.Tensor], s: MLAShapes,
     key = torch.cat([c, k_rot], -1).expand(B, h, T, r + R)
     z = F.scaled_dot_product_attention(torch.cat([q_abs, q_rot], -1), key, c.expand(B, h, T, r), is_causal=True,
                                        scale=1 / math.sqrt(d + R))
-    return _output(z, layer, s), z
+    return z
 
 
 def _output(z: torch.Tensor, layer: dict[str, torch.Tensor], s: MLAShapes) -> torch.Tensor:
@@ -191,7 +197,7 @@ class LayerStream:
                 if value_bias is not None:
                     y = y - value_bias.view(1, s.h, 1, s.d).to(y)
                 cos, sin = kw["position_embeddings"]
-                _, z = mla_attention(x, w, s, cos, sin)
+                z = attention_latents(x, w, s, cos, sin)
                 zz += torch.einsum("bhtr,bhts->hrs", z, z).cpu().double()
                 yz += torch.einsum("bhtd,bhtr->hdr", y, z).cpu().double()
                 yy += y.pow(2).sum((0, 2, 3)).cpu().double()
@@ -215,7 +221,7 @@ class LayerStream:
                 # the refit changed W_UV only: the attention-weighted latents of refit_moments still hold
                 dec.self_attn = _Attention(lambda x, pe: _output(z[2][b], w, s))  # b: the batch below
             else:
-                dec.self_attn = _Attention(lambda x, pe: mla_attention(x, w, s, *pe)[0])
+                dec.self_attn = _Attention(lambda x, pe: mla_attention(x, w, s, *pe))
         self._z = None
         try:
             for b in self._bar("advance"):
