@@ -56,12 +56,13 @@ ROWS = {
 DATASETS = ("wikitext2-test", "c4-demo")
 
 
-def plain_forward_seconds(model, ids: torch.Tensor, batch_size: int) -> float:
+def plain_forward_seconds(model, tok, o: ConvertOptions) -> float:
     """One forward with logits over the calibration windows (what a conversion is compared with)."""
+    ids = calibration_ids(tok, load_texts(o.cal_dataset), o.cal_nsamples, o.cal_seqlen, o.seed)
     t = time.perf_counter()
     with torch.no_grad():
-        for s in range(0, ids.shape[0], batch_size):
-            model(ids[s : s + batch_size], use_cache=False)
+        for s in range(0, ids.shape[0], o.cal_batch_size):
+            model(ids[s : s + o.cal_batch_size], use_cache=False)
     return time.perf_counter() - t
 
 
@@ -82,8 +83,9 @@ def save(res: dict, out: Path) -> None:
 
 def retime(args, res: dict, out: Path, model, tok, o: ConvertOptions) -> None:
     """Conversion wall time and peak RSS of every row again, next to a fresh plain forward."""
-    ids = calibration_ids(tok, load_texts(o.cal_dataset), o.cal_nsamples, o.cal_seqlen, o.seed)
-    res["plain_forward_seconds"] = round(plain_forward_seconds(model, ids, o.cal_batch_size), 2)
+    if not res["rows"]:
+        raise SystemExit(f"--retime: {out} has no rows with this protocol; run the ablation first")
+    res["plain_forward_seconds"] = round(plain_forward_seconds(model, tok, o), 2)
     for r in res["rows"]:
         with tempfile.TemporaryDirectory() as tmp:
             info = convert_row(args.model, r["budget"], ROWS[r["row"]][1], Path(tmp) / "model")
@@ -104,7 +106,8 @@ def markdown(res: dict) -> str:
              f"Convert = wall time of `transmla convert` (load, calibrate, convert, export) next to one plain "
              f"forward with logits over the same calibration tokens ({res['plain_forward_seconds']:.1f} s); "
              f"peak RSS of the convert process; float32 model size {res['float32_gib']:.2f} GiB. Machine: "
-             f"{pr['machine']}; times taken one process at a time on an otherwise idle machine.", ""]
+             f"{pr['machine']}; one convert process at a time (`--retime` re-measures the times alone: run it on an "
+             "idle machine).", ""]
     lines += ["| KV cut | RoPE + rank | row | WikiText-2 | c4-demo | prompt NLL | rep. | degen. | convert s (x fwd) | peak RSS GiB |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
@@ -145,6 +148,8 @@ def main() -> None:
         res = {"model": args.model, "protocol": protocol, "rows": []}
 
     model, tok = load_model(args.model, dtype="float32")
+    if args.retime:
+        return retime(args, res, out, model, tok, o)
     ref = use_causal_padded_sdpa(model)
     tests = {d: tokenize_corpus(tok, load_texts(d)) for d in DATASETS}
 
@@ -152,15 +157,12 @@ def main() -> None:
         return perplexity(m, tests[d], args.seqlen, max_tokens=args.ppl_tokens, progress=False)["ppl"]
 
     if "original" not in res:
-        ids = calibration_ids(tok, load_texts(o.cal_dataset), o.cal_nsamples, o.cal_seqlen, o.seed)
-        res["plain_forward_seconds"] = round(plain_forward_seconds(model, ids, o.cal_batch_size), 2)
+        res["plain_forward_seconds"] = round(plain_forward_seconds(model, tok, o), 2)
         res["float32_gib"] = round(sum(p.numel() for p in model.parameters()) * 4 / 2**30, 3)
         res["original"] = {d: round(ppl(ref, d), 3) for d in DATASETS}
     if "prompt_nll" not in res["original"]:
         res["original"].update(prompts.summary(prompts.score_continuations(
             model, tok, prompts.greedy_continuations(model, tok))))
-    if args.retime:
-        return retime(args, res, out, model, tok, o)
     done = {(r["row"], r["budget"]) for r in res["rows"]}
     from transformers import AutoModelForCausalLM
 
