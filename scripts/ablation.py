@@ -89,12 +89,16 @@ def retime(args, res: dict, out: Path, model, tok, o: ConvertOptions) -> None:
     for r in res["rows"]:
         with tempfile.TemporaryDirectory() as tmp:
             info = convert_row(args.model, r["budget"], ROWS[r["row"]][1], Path(tmp) / "model")
-        r.update({k: info[k] for k in ("seconds", "calibration_seconds", "peak_rss_gib")})
+        r.update({k: info[k] for k in ("seconds", "calibration_seconds", "compute_seconds", "peak_rss_gib")})
         save(res, out)
-        print(json.dumps({k: r[k] for k in ("row", "budget", "seconds", "peak_rss_gib")}), flush=True)
+        print(json.dumps({k: r[k] for k in ("row", "budget", "seconds", "compute_seconds", "peak_rss_gib")}), flush=True)
 
 
 def markdown(res: dict) -> str:
+    def _compute(r):
+        c = r.get("compute_seconds")
+        return "n/a" if c is None else f"{c:.0f} ({c / res['plain_forward_seconds']:.1f}x)"
+
     pr = res["protocol"]
     lines = [f"# Conversion ablation: {res['model']}", "",
              f"Perplexity: first {pr['ppl_tokens']:,} tokens of each test set in {pr['seqlen']}-token windows, "
@@ -103,18 +107,19 @@ def markdown(res: dict) -> str:
              f"{prompts.NEW_TOKENS}-token continuations of {len(prompts.PROMPTS)} prompts; NLL = the original "
              "model's mean NLL of the continuation (nats/token); rep. = 1 - distinct/total tokens; degen. = "
              "continuations with rep. > 0.5 or a token repeated 8 times.",
-             f"Convert = wall time of `transmla convert` (load, calibrate, convert, export) next to one plain "
+             "Convert = wall time of `transmla convert`: all of it (load, tokenize, calibrate, convert, export) / "
+             "its compute (calibration passes and per-layer math), the latter also as a multiple of one plain "
              f"forward with logits over the same calibration tokens ({res['plain_forward_seconds']:.1f} s); "
              f"peak RSS of the convert process; float32 model size {res['float32_gib']:.2f} GiB. Machine: "
              f"{pr['machine']}; one convert process at a time (`--retime` re-measures the times alone: run it on an "
              "idle machine).", ""]
-    lines += ["| KV cut | RoPE + rank | row | WikiText-2 | c4-demo | prompt NLL | rep. | degen. | convert s (x fwd) | peak RSS GiB |",
+    lines += ["| KV cut | RoPE + rank | row | WikiText-2 | c4-demo | prompt NLL | rep. | degen. | convert s: all / compute (x fwd) | peak RSS GiB |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
         lines.append(
             f"| {100 * (1 - r['kv_cache_ratio']):.2f}% | {r['qk_rope_head_dim']} + {r['kv_lora_rank']} | {r['label']} | "
             f"{r['wikitext2-test']:.2f} | {r['c4-demo']:.2f} | {r['prompt_nll']:.2f} | {r['prompt_repetition']:.2f} | "
-            f"{r['prompt_degenerate']} | {r['seconds']:.0f} ({r['seconds'] / res['plain_forward_seconds']:.1f}x) | "
+            f"{r['prompt_degenerate']} | {r['seconds']:.0f} / {_compute(r)} | "
             f"{r['peak_rss_gib']:.2f} |")
     lines += ["", "Continuations of the best row at each budget:", ""]
     for r in res["rows"]:
@@ -177,7 +182,8 @@ def main() -> None:
             fast = use_causal_padded_sdpa(mla)
             p = prompts.score_continuations(model, tok, prompts.greedy_continuations(mla, tok))
             r = {"row": row, "label": label, "budget": budget, **{k: info[k] for k in (
-                "qk_rope_head_dim", "kv_lora_rank", "kv_cache_ratio", "seconds", "calibration_seconds", "peak_rss_gib")},
+                "qk_rope_head_dim", "kv_lora_rank", "kv_cache_ratio", "seconds", "calibration_seconds", "compute_seconds",
+                "peak_rss_gib")},
                 **{d: round(ppl(fast, d), 3) for d in DATASETS}, **prompts.summary(p), "prompts": p}
             res["rows"].append(r)
             res["rows"].sort(key=lambda x: (-x["kv_cache_ratio"], list(ROWS).index(x["row"])))

@@ -8,7 +8,6 @@ options); the result is every layer's MLA weights (float64) and diagnostics.
 
 from __future__ import annotations
 
-from transmla.runtime.memory import limit_heap_fragmentation
 from transmla.config import ConvertOptions
 from transmla.convert import convert_layers
 from transmla.io.data import load_texts
@@ -25,7 +24,6 @@ from .model import data_dir_of, load, spec_of
 @cached_task("streamed_layers")
 def streamed_layers(model: dict, data: dict, stats: dict | None, plan: list[int], rank: int, options: dict) -> dict:
     """Refs to the MLA layers (safetensors, `layers.<i>.<param>`) and their diagnostics (JSON)."""
-    limit_heap_fragmentation()  # the layer stream's activations fragment the heap (runtime.memory)
     o = ConvertOptions(**options)
     m, tok = load(model["path"])
     spec = spec_of(model)

@@ -15,7 +15,6 @@ from transmla.config import PAPER_TRANSMLA, FINETUNE_CORPORA, FREQFOLDS, METHODS
 from transmla.errors import TransMLAError
 from transmla.io.paths import write_text_atomic
 from transmla.io.sources import DEFAULT_SOURCE, SYNTAX_HELP
-from transmla.runtime.memory import limit_heap_fragmentation
 
 SOURCE_HELP = f"model source (default {DEFAULT_SOURCE}); {SYNTAX_HELP}"
 CO, EV = ConvertOptions.model_fields, EvaluationOptions.model_fields
@@ -56,11 +55,9 @@ def cmd_ppl(args) -> dict:
 def cmd_convert(args) -> dict:
     from transmla.convert import convert
 
-    limit_heap_fragmentation()  # conversions only: it costs evaluation and training ~20% speed
-
     meta = convert(args.model, args.out, convert_options(args), cache=args.cache_dir, data_dir=args.data_dir)
     keys = ("method", "source", "qk_rope_head_dim", "kv_lora_rank", "kv_cache_ratio", "kv_cache_reduction",
-            "mean_alpha", "calibration_seconds", "seconds", "peak_rss_gib", "notes")
+            "mean_alpha", "calibration_seconds", "compute_seconds", "seconds", "peak_rss_gib", "notes")
     return {"out": str(args.out), **{k: meta[k] for k in keys}}
 
 

@@ -28,6 +28,7 @@ from transmla.errors import TransMLAError
 from transmla.method.calibration import LayerMoments
 from transmla.method.mla import MLALayer
 from transmla.method.refit import RefitMoments
+from transmla.runtime.memory import trim_heap
 
 
 class _Stop(Exception):
@@ -170,6 +171,7 @@ class LayerStream:
             x = ln(self.h[b]).reshape(-1, D).float()
             xx += (x.T @ x).cpu().double()
             xs += x.sum(0).cpu().double()
+        trim_heap()  # each step's freed activations fragment the heap (runtime.memory)
         return LayerMoments(xx / self.n, xs / self.n)
 
     @torch.no_grad()
@@ -206,6 +208,7 @@ class LayerStream:
         finally:
             hook.remove()
         self._z = (layer, _scores(w, s), zs) if keep else None
+        trim_heap()
         return RefitMoments(zz / self.n, yz / self.n, yy / self.n)
 
     @torch.no_grad()
@@ -229,6 +232,7 @@ class LayerStream:
                 self.h[b] = out[0] if isinstance(out, tuple) else out
         finally:
             dec.self_attn = original
+        trim_heap()
         self.layer += 1
 
     def _check(self, layer: int) -> None:
