@@ -187,13 +187,21 @@ class LayerStream:
         yy = torch.zeros(s.h, dtype=torch.float64)
         captured, zs = [], []
         keep = s.h * s.r <= 2 * self.h[0].shape[-1]  # z no larger than 2 hidden states: keep it for advance()
-        hook = dec.self_attn.o_proj.register_forward_pre_hook(lambda _m, a: captured.append(a[0]))
+
+        def grab(_m, a):  # o_proj's input is all the refit needs: skip o_proj itself
+            captured.append(a[0])
+            raise _Stop
+
+        hook = dec.self_attn.o_proj.register_forward_pre_hook(grab)
         try:
             for b in self._bar("refit"):
                 x = dec.input_layernorm(self.h[b])
                 kw = self.kwargs[b]
                 captured.clear()
-                dec.self_attn(hidden_states=x, **kw)
+                try:
+                    dec.self_attn(hidden_states=x, **kw)
+                except _Stop:
+                    pass
                 B, T, _ = x.shape
                 y = captured[0].view(B, T, s.h, s.d).transpose(1, 2)  # [B, h, T, d]
                 if value_bias is not None:
