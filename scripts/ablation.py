@@ -56,14 +56,18 @@ ROWS = {
 DATASETS = ("wikitext2-test", "c4-demo")
 
 
-def plain_forward_seconds(model, tok, o: ConvertOptions) -> float:
-    """One forward with logits over the calibration windows (what a conversion is compared with)."""
+def plain_forward_seconds(model, tok, o: ConvertOptions, repeats: int = 3) -> float:
+    """One forward with logits over the calibration windows (what a conversion is compared with): the
+    median of `repeats` runs, since single runs on this machine ranged 30-38 s for SmolLM2."""
     ids = calibration_ids(tok, load_texts(o.cal_dataset), o.cal_nsamples, o.cal_seqlen, o.seed)
-    t = time.perf_counter()
-    with torch.no_grad():
-        for s in range(0, ids.shape[0], o.cal_batch_size):
-            model(ids[s : s + o.cal_batch_size], use_cache=False)
-    return time.perf_counter() - t
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        with torch.no_grad():
+            for s in range(0, ids.shape[0], o.cal_batch_size):
+                model(ids[s : s + o.cal_batch_size], use_cache=False)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
 
 
 def convert_row(source: str, budget: float, flags: list[str], out: Path) -> dict:
@@ -81,12 +85,14 @@ def save(res: dict, out: Path) -> None:
     write_text_atomic(out.with_suffix(".md"), markdown(res))
 
 
-def retime(args, res: dict, out: Path, model, tok, o: ConvertOptions) -> None:
-    """Conversion wall time and peak RSS of every row again, next to a fresh plain forward."""
+def retime(args, res: dict, out: Path, model, tok, o: ConvertOptions, rows: list[str]) -> None:
+    """Conversion wall time and peak RSS of the rows `rows` again, next to a fresh plain forward."""
     if not res["rows"]:
         raise SystemExit(f"--retime: {out} has no rows with this protocol; run the ablation first")
     res["plain_forward_seconds"] = round(plain_forward_seconds(model, tok, o), 2)
     for r in res["rows"]:
+        if r["row"] not in rows:
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             info = convert_row(args.model, r["budget"], ROWS[r["row"]][1], Path(tmp) / "model")
         r.update({k: info[k] for k in ("seconds", "calibration_seconds", "compute_seconds", "peak_rss_gib")})
@@ -154,7 +160,7 @@ def main() -> None:
 
     model, tok = load_model(args.model, dtype="float32")
     if args.retime:
-        return retime(args, res, out, model, tok, o)
+        return retime(args, res, out, model, tok, o, rows)
     ref = use_causal_padded_sdpa(model)
     tests = {d: tokenize_corpus(tok, load_texts(d)) for d in DATASETS}
 
