@@ -308,3 +308,19 @@ def test_cli_mode_flags_override_paper(argv, want):
     args = build_parser().parse_args(["convert", "--out", "x", *argv])
     o = convert_options(args)
     assert {k: getattr(o, k) for k in want} == want
+
+
+def test_mixed_calibration_shares_windows_and_keeps_one_corpus_exact():
+    from transmla.method.calibration import mixed_calibration_ids
+
+    class Chars:  # a tokenizer stub: one id per character
+        def __call__(self, text, return_tensors=None):
+            return type("Enc", (), {"input_ids": torch.tensor([[ord(c) for c in text]])})()
+
+    a, b = ["a" * 500], ["b" * 500]
+    assert torch.equal(mixed_calibration_ids(Chars(), [a], 5, 16, 0), calibration_ids(Chars(), a, 5, 16, 0))
+    ids = mixed_calibration_ids(Chars(), [a, b], 5, 16, 0)
+    assert ids.shape == (5, 16)
+    assert (ids[:3] == ord("a")).all() and (ids[3:] == ord("b")).all()  # 3 + 2 windows
+    with pytest.raises(TransMLAError, match="cal-nsamples"):
+        mixed_calibration_ids(Chars(), [a, b], 1, 16, 0)

@@ -48,3 +48,39 @@ def test_missing_file_names_file_and_setting(tmp_path, monkeypatch):
 def test_unknown_dataset():
     with pytest.raises(TransMLAError, match="Unknown data set"):
         load_rows("imagenet")
+
+
+# Calibration corpora beyond the registry (`cal_dataset`: names and path:FILE_OR_DIR joined by '+').
+from transmla.config import CalibrationOptions, ConvertOptions  # noqa: E402
+from transmla.io.data import calibration_corpora, calibration_parts  # noqa: E402
+
+
+def test_calibration_parts_check_names_and_paths_before_any_work(tmp_path):
+    assert calibration_parts(f"wikitext2-train+path:{tmp_path}") == ["wikitext2-train", f"path:{tmp_path}"]
+    with pytest.raises(TransMLAError, match="Unknown data set 'nope'"):
+        ConvertOptions(cal_dataset="wikitext2-train+nope")
+    with pytest.raises(TransMLAError, match="Calibration path not found"):
+        ConvertOptions(cal_dataset=f"path:{tmp_path / 'missing'}")
+    # the DVC pipeline hashes registry files: its params take registry names only
+    with pytest.raises(TransMLAError, match="Unknown data set"):
+        CalibrationOptions(dataset=f"path:{tmp_path}")
+
+
+def test_directory_corpus_reads_text_files_in_order(tmp_path):
+    (tmp_path / "b.py").write_text("def b(): pass\n")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.md").write_text("# x\n")
+    (tmp_path / "blob.bin").write_bytes(b"\x00\x01")  # not a text suffix
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "c.py").write_text("hidden\n")
+    (tmp_path / "rows.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    [texts] = calibration_corpora(f"path:{tmp_path}")
+    assert texts == ["# x\n", "def b(): pass\n"]  # sorted by path; .jsonl rows only as a file of their own
+    assert calibration_corpora(f"path:{tmp_path / 'rows.jsonl'}") == [["one", "two"]]
+    (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(TransMLAError, match="'text' field"):
+        calibration_corpora(f"path:{tmp_path / 'bad.jsonl'}")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(TransMLAError, match="No text files"):
+        calibration_corpora(f"path:{empty}")

@@ -72,8 +72,8 @@ def convert_options(args) -> ConvertOptions:
         kv_lora_rank=args.kv_lora_rank, freqfold=args.freqfold, q_lora_rank=args.q_lora_rank,
         balance_kv=not args.no_balance_kv, attention_aware=args.attention_aware, pca=args.pca,
         calibration=args.calibration, refit=args.refit, lossless=args.lossless,
-        cal_nsamples=args.cal_nsamples, cal_seqlen=args.cal_seqlen, seed=args.seed, dtype=args.dtype,
-        device=args.device, latent_norm_eps=args.latent_norm_eps,
+        cal_dataset=args.cal_dataset, cal_nsamples=args.cal_nsamples, cal_seqlen=args.cal_seqlen, seed=args.seed,
+        dtype=args.dtype, device=args.device, latent_norm_eps=args.latent_norm_eps,
     )
 
 
@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the paper's TransMLA: --calibration parallel --no-refit --no-attention-aware unless "
                         "given explicitly (ablations: --paper --refit)")
     c.add_argument("--lossless", action="store_true", help="keep RoPE on all g*d key dims, no rank cut (exact)")
+    c.add_argument("--cal-dataset", default=CO["cal_dataset"].default,
+                   help="calibration text: a data set name, path:FILE_OR_DIR (a .jsonl with 'text', a text file, or a "
+                        "directory of source/text files), or several joined by '+' sharing the windows equally "
+                        "(a code model: wikitext2-train+path:/some/repo)")
     c.add_argument("--cal-nsamples", type=int, default=CO["cal_nsamples"].default, help="calibration sequences")
     c.add_argument("--cal-seqlen", type=int, default=CO["cal_seqlen"].default, help="tokens per calibration sequence")
     c.add_argument("--seed", type=int, default=CO["seed"].default, help="calibration sampling seed")

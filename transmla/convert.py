@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 
 from transmla.adapters import GQASpec, attention_weights, read_spec
 from transmla.config import REFIT_DAMP, ConvertOptions
-from transmla.method.calibration import CalibrationStats, calibration_ids, collect_stats
+from transmla.method.calibration import CalibrationStats, collect_stats, mixed_calibration_ids
+from transmla.runtime.memory import trim_heap
 from transmla.method.mla import MLALayer
 from transmla.pipeline.assemble import assemble, conversion_metadata
 from transmla.pipeline.basis import basis_step
@@ -90,7 +91,7 @@ def peak_rss_gib() -> float:
 def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_dir=None, progress=True) -> dict:
     """Load `source`, calibrate, convert, export to `out`. Returns the conversion record plus timings
     (the timings stay out of the checkpoint, so identical conversions give identical checkpoints)."""
-    from transmla.io.data import load_texts
+    from transmla.io.data import calibration_corpora
     from transmla.io.export import write_checkpoint
     from transmla.io.paths import new_output_dir
     from transmla.io.sources import load_model, source_info
@@ -101,7 +102,8 @@ def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_di
     model, tok = load_model(source, dtype="float32", device=o.device, cache=cache)  # the math runs in fp32/fp64
     spec = read_spec(model.config)
     budget = resolve_budget(spec, o)
-    ids = calibration_ids(tok, load_texts(o.cal_dataset, data_dir), o.cal_nsamples, o.cal_seqlen, o.seed)
+    corpora = calibration_corpora(o.cal_dataset, data_dir)
+    ids = mixed_calibration_ids(tok, corpora, o.cal_nsamples, o.cal_seqlen, o.seed)
     t_cal = time.perf_counter()
     n = o.normalized()
     stats = collect_stats(model, ids, o.cal_batch_size, progress) if n.calibration != "sequential" else None
@@ -110,6 +112,7 @@ def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_di
     layers, diags = convert_layers(model, stats, spec, budget, o, progress, stream, getattr(torch, o.dtype))
     compute_seconds = time.perf_counter() - t_cal  # calibration + per-layer math: what a forward pass compares with
     del stream, stats  # the export needs the weights only
+    trim_heap()  # the stream's freed pages go back before the export touches every weight page
     metadata = conversion_metadata(info, spec, budget, o, diags, ids.numel())
     config, sd = assemble(model, spec, budget, layers, o)
     write_checkpoint(out, config, sd, tok, metadata)

@@ -130,3 +130,55 @@ def load_documents(name: str, data_dir_override=None, source: str | None = None,
         texts = load_texts(name, data_dir_override, source)
     docs = ["\n\n".join(texts)] if s.line_rows else [t for t in texts if t.strip()]
     return docs if max_documents is None else docs[:max_documents]
+
+
+# Calibration corpora beyond the registry: a model should be calibrated on text like its use (a code
+# model on code). `cal_dataset` is one part or several joined by '+', each a registry name or
+# `path:FILE_OR_DIR`; every part gets an equal share of the calibration windows.
+PATH_PREFIX = "path:"
+TEXT_SUFFIXES = frozenset(
+    ".py .pyi .c .h .cc .cpp .hpp .cu .rs .go .java .kt .scala .js .ts .tsx .jsx .rb .php .cs .swift .m .sh .sql "
+    ".lua .r .jl .hs .ml .ex .md .rst .txt .tex .html .css .toml .yaml .yml .json".split()
+)
+MAX_PATH_CHARS = 4_000_000  # a directory is read in sorted order up to this many characters (WikiText-2 train: 2.9 MB)
+
+
+def calibration_parts(name: str) -> list[str]:
+    """The parts of a calibration data spec ('wikitext2-train+path:/src/repo'); a clear error if one is bad."""
+    parts = [p.strip() for p in name.split("+")]
+    for p in parts:
+        if p.startswith(PATH_PREFIX):
+            if not Path(p[len(PATH_PREFIX):]).expanduser().exists():
+                raise TransMLAError(f"Calibration path not found: {p[len(PATH_PREFIX):]!r} (in {name!r}).",
+                                    "point path: at an existing .jsonl or text file, or a directory of them.")
+        else:
+            spec(p)  # unknown names fail here, listing the registry
+    return parts
+
+
+def _path_texts(path: Path) -> list[str]:
+    if path.is_file():
+        if path.suffix == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            if not all(isinstance(r, dict) and isinstance(r.get("text"), str) for r in rows):
+                raise TransMLAError(f"{path}: every JSONL row needs a string 'text' field.", "write one {\"text\": ...} per line.")
+            return [r["text"] for r in rows]
+        return [path.read_text(encoding="utf-8", errors="replace")]
+    texts, total = [], 0
+    for f in sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
+                    and not any(part.startswith(".") for part in p.relative_to(path).parts)):
+        if total >= MAX_PATH_CHARS:
+            break
+        texts.append(f.read_text(encoding="utf-8", errors="replace"))
+        total += len(texts[-1])
+    if not texts:
+        raise TransMLAError(f"No text files under {path} (suffixes: {', '.join(sorted(TEXT_SUFFIXES))}).",
+                            "point path: at a directory of source or text files, or at one file.")
+    return texts
+
+
+def calibration_corpora(name: str, data_dir_override=None, source: str | None = None) -> list[list[str]]:
+    """The texts of every part of a calibration data spec, in order."""
+    return [_path_texts(Path(p[len(PATH_PREFIX):]).expanduser()) if p.startswith(PATH_PREFIX)
+            else load_texts(p, data_dir_override, source) for p in calibration_parts(name)]

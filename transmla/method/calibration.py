@@ -120,3 +120,13 @@ def collect_stats(model, ids: torch.Tensor, batch_size: int = 8, progress: bool 
         for h in hooks:
             h.remove()
     return CalibrationStats(xx, xsum, ids.numel())
+
+
+def mixed_calibration_ids(tokenizer, corpora: list[list[str]], nsamples: int, seqlen: int, seed: int) -> torch.Tensor:
+    """calibration_ids over several corpora, an equal share of the windows each (the first parts take
+    the remainder); one corpus gives exactly calibration_ids. [nsamples, seqlen]"""
+    if nsamples < len(corpora):
+        raise TransMLAError(f"{nsamples} calibration windows cannot cover {len(corpora)} corpora.",
+                            f"raise --cal-nsamples to at least {len(corpora)}.")
+    counts = [nsamples // len(corpora) + (i < nsamples % len(corpora)) for i in range(len(corpora))]
+    return torch.cat([calibration_ids(tokenizer, texts, n, seqlen, seed) for texts, n in zip(corpora, counts)])
