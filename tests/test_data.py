@@ -51,19 +51,25 @@ def test_unknown_dataset():
 
 
 # Calibration corpora beyond the registry (`cal_dataset`: names and path:FILE_OR_DIR joined by '+').
-from transmla.config import CalibrationOptions, ConvertOptions  # noqa: E402
+from transmla.config import ConvertOptions  # noqa: E402
 from transmla.io.data import calibration_corpora, calibration_parts  # noqa: E402
 
 
 def test_calibration_parts_check_names_and_paths_before_any_work(tmp_path):
     assert calibration_parts(f"wikitext2-train+path:{tmp_path}") == ["wikitext2-train", f"path:{tmp_path}"]
     with pytest.raises(TransMLAError, match="Unknown data set 'nope'"):
-        ConvertOptions(cal_dataset="wikitext2-train+nope")
+        calibration_parts("wikitext2-train+nope")
     with pytest.raises(TransMLAError, match="Calibration path not found"):
-        ConvertOptions(cal_dataset=f"path:{tmp_path / 'missing'}")
-    # the DVC pipeline hashes registry files: its params take registry names only
-    with pytest.raises(TransMLAError, match="Unknown data set"):
-        CalibrationOptions(dataset=f"path:{tmp_path}")
+        calibration_parts(f"path:{tmp_path / 'missing'}")
+
+
+def test_convert_refuses_bad_calibration_data_before_any_work(tmp_path):
+    from transmla.convert import convert
+
+    out = tmp_path / "out"
+    with pytest.raises(TransMLAError, match="Calibration path not found"):
+        convert("no-such-model", out, ConvertOptions(cal_dataset=f"path:{tmp_path / 'missing'}"))
+    assert not out.exists()
 
 
 def test_directory_corpus_reads_text_files_in_order(tmp_path):

@@ -74,14 +74,6 @@ class CalibrationOptions(Options):
     batch_size: int = Field(8, ge=1)
     seed: int = 42
 
-    @field_validator("dataset")
-    @classmethod
-    def _registry_dataset(cls, v: str) -> str:
-        from transmla.io.data import spec
-
-        spec(v)  # the pipeline hashes registry files; local corpora (path:, '+' mixtures) are a CLI option
-        return v
-
 
 class TransMLAOptions(Options):
     """The paper's method: RoRoPE + FreqFold, then balanced-KV joint PCA on activations.
@@ -146,14 +138,6 @@ class ConvertOptions(Options):
     @classmethod
     def _ff(cls, v):
         return _freqfold(v)
-
-    @field_validator("cal_dataset")
-    @classmethod
-    def _calibration_data(cls, v: str) -> str:
-        from transmla.io.data import calibration_parts
-
-        calibration_parts(v)
-        return v
 
     @field_validator("kv_cache_ratio")
     @classmethod

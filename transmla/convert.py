@@ -91,13 +91,14 @@ def peak_rss_gib() -> float:
 def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_dir=None, progress=True) -> dict:
     """Load `source`, calibrate, convert, export to `out`. Returns the conversion record plus timings
     (the timings stay out of the checkpoint, so identical conversions give identical checkpoints)."""
-    from transmla.io.data import calibration_corpora
+    from transmla.io.data import calibration_corpora, calibration_parts
     from transmla.io.export import write_checkpoint
     from transmla.io.paths import new_output_dir
     from transmla.io.sources import load_model, source_info
 
     t0 = time.perf_counter()
-    out = new_output_dir(out)  # fail before any work
+    calibration_parts(o.cal_dataset)  # unknown data set or missing path: fail before any work
+    out = new_output_dir(out)
     info = source_info(source, cache)
     model, tok = load_model(source, dtype="float32", device=o.device, cache=cache)  # the math runs in fp32/fp64
     spec = read_spec(model.config)
