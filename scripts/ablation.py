@@ -34,12 +34,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from transmla.config import ConvertOptions  # noqa: E402
+from transmla.convert import calibration_windows  # noqa: E402
 from transmla.evaluation import prompts  # noqa: E402
 from transmla.evaluation.perplexity import perplexity, tokenize_corpus  # noqa: E402
 from transmla.io.data import load_texts  # noqa: E402
 from transmla.io.paths import write_text_atomic  # noqa: E402
 from transmla.io.sources import load_model  # noqa: E402
-from transmla.method.calibration import calibration_ids  # noqa: E402
 from transmla.runtime.fast_attention import use_causal_padded_sdpa  # noqa: E402
 
 # name -> (label, `transmla convert` flags)
@@ -59,7 +59,7 @@ DATASETS = ("wikitext2-test", "c4-demo")
 def plain_forward_seconds(model, tok, o: ConvertOptions, repeats: int = 3) -> float:
     """One forward with logits over the calibration windows (what a conversion is compared with): the
     median of `repeats` runs, since single runs on this machine ranged 30-38 s for SmolLM2."""
-    ids = calibration_ids(tok, load_texts(o.cal_dataset), o.cal_nsamples, o.cal_seqlen, o.seed)
+    ids = calibration_windows(tok, o)
     times = []
     for _ in range(repeats):
         t = time.perf_counter()

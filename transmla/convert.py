@@ -21,7 +21,6 @@ from tqdm.auto import tqdm
 from transmla.adapters import GQASpec, attention_weights, read_spec
 from transmla.config import REFIT_DAMP, ConvertOptions
 from transmla.method.calibration import CalibrationStats, collect_stats, mixed_calibration_ids
-from transmla.runtime.memory import trim_heap
 from transmla.method.mla import MLALayer
 from transmla.pipeline.assemble import assemble, conversion_metadata
 from transmla.pipeline.basis import basis_step
@@ -29,7 +28,7 @@ from transmla.pipeline.budget import Budget, resolve_budget
 from transmla.pipeline.layer import layer_step, refit_step, value_bias
 from transmla.pipeline.rotation import rotation_step
 from transmla.pipeline.stream import LayerStream, MLAShapes
-from transmla.runtime.memory import peak_rss_bytes
+from transmla.runtime.memory import peak_rss_bytes, trim_heap
 
 __all__ = ["Budget", "ConvertOptions", "assemble", "convert", "convert_layers", "resolve_budget"]
 
@@ -88,10 +87,17 @@ def peak_rss_gib() -> float:
     return peak_rss_bytes() / 2**30
 
 
+def calibration_windows(tok, o: ConvertOptions, data_dir=None) -> torch.Tensor:
+    """The calibration windows of `o` (cal_dataset, cal_nsamples x cal_seqlen, seed). [N, T]"""
+    from transmla.io.data import calibration_corpora
+
+    return mixed_calibration_ids(tok, calibration_corpora(o.cal_dataset, data_dir), o.cal_nsamples, o.cal_seqlen, o.seed)
+
+
 def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_dir=None, progress=True) -> dict:
     """Load `source`, calibrate, convert, export to `out`. Returns the conversion record plus timings
     (the timings stay out of the checkpoint, so identical conversions give identical checkpoints)."""
-    from transmla.io.data import calibration_corpora, calibration_parts
+    from transmla.io.data import calibration_parts
     from transmla.io.export import write_checkpoint
     from transmla.io.paths import new_output_dir
     from transmla.io.sources import load_model, source_info
@@ -103,8 +109,7 @@ def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_di
     model, tok = load_model(source, dtype="float32", device=o.device, cache=cache)  # the math runs in fp32/fp64
     spec = read_spec(model.config)
     budget = resolve_budget(spec, o)
-    corpora = calibration_corpora(o.cal_dataset, data_dir)
-    ids = mixed_calibration_ids(tok, corpora, o.cal_nsamples, o.cal_seqlen, o.seed)
+    ids = calibration_windows(tok, o, data_dir)
     t_cal = time.perf_counter()
     n = o.normalized()
     stats = collect_stats(model, ids, o.cal_batch_size, progress) if n.calibration != "sequential" else None

@@ -148,12 +148,16 @@ def calibration_parts(name: str) -> list[str]:
     parts = [p.strip() for p in name.split("+")]
     for p in parts:
         if p.startswith(PATH_PREFIX):
-            if not Path(p[len(PATH_PREFIX):]).expanduser().exists():
-                raise TransMLAError(f"Calibration path not found: {p[len(PATH_PREFIX):]!r} (in {name!r}).",
+            if not _path_of(p).exists():
+                raise TransMLAError(f"Calibration path not found: {p.removeprefix(PATH_PREFIX)!r} (in {name!r}).",
                                     "point path: at an existing .jsonl or text file, or a directory of them.")
         else:
             spec(p)  # unknown names fail here, listing the registry
     return parts
+
+
+def _path_of(part: str) -> Path:
+    return Path(part.removeprefix(PATH_PREFIX)).expanduser()
 
 
 def _path_texts(path: Path) -> list[str]:
@@ -162,7 +166,8 @@ def _path_texts(path: Path) -> list[str]:
             with open(path, encoding="utf-8") as f:
                 rows = [json.loads(line) for line in f if line.strip()]
             if not all(isinstance(r, dict) and isinstance(r.get("text"), str) for r in rows):
-                raise TransMLAError(f"{path}: every JSONL row needs a string 'text' field.", "write one {\"text\": ...} per line.")
+                raise TransMLAError(f"{path}: every JSONL row needs a string 'text' field.",
+                                    "write one {\"text\": ...} per line.")
             return [r["text"] for r in rows]
         return [path.read_text(encoding="utf-8", errors="replace")]
     texts, total = [], 0
@@ -180,5 +185,5 @@ def _path_texts(path: Path) -> list[str]:
 
 def calibration_corpora(name: str, data_dir_override=None, source: str | None = None) -> list[list[str]]:
     """The texts of every part of a calibration data spec, in order."""
-    return [_path_texts(Path(p[len(PATH_PREFIX):]).expanduser()) if p.startswith(PATH_PREFIX)
-            else load_texts(p, data_dir_override, source) for p in calibration_parts(name)]
+    return [_path_texts(_path_of(p)) if p.startswith(PATH_PREFIX) else load_texts(p, data_dir_override, source)
+            for p in calibration_parts(name)]
