@@ -110,6 +110,7 @@ def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_di
     spec = read_spec(model.config)
     budget = resolve_budget(spec, o)
     ids = calibration_windows(tok, o, data_dir)
+    trim_heap()  # tokenizing the corpus left ~0.2 GiB of free heap (SmolLM2) that calibration would fragment
     t_cal = time.perf_counter()
     n = o.normalized()
     stats = collect_stats(model, ids, o.cal_batch_size, progress) if n.calibration != "sequential" else None

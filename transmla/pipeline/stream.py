@@ -185,8 +185,10 @@ class LayerStream:
         zz = torch.zeros(s.h, s.r, s.r, dtype=torch.float64)
         yz = torch.zeros(s.h, s.d, s.r, dtype=torch.float64)
         yy = torch.zeros(s.h, dtype=torch.float64)
-        captured, zs = [], []
+        captured = []
         keep = s.h * s.r <= 2 * self.h[0].shape[-1]  # z no larger than 2 hidden states: keep it for advance()
+        # allocated before any batch's temporaries, so kept latents do not pin the heap between them
+        zs = [torch.empty(h.shape[0], s.h, h.shape[1], s.r, dtype=h.dtype, device=h.device) for h in self.h] if keep else []
 
         def grab(_m, a):  # o_proj's input is all the refit needs: skip o_proj itself
             captured.append(a[0])
@@ -212,7 +214,7 @@ class LayerStream:
                 yz += torch.einsum("bhtd,bhtr->hdr", y, z).cpu().double()
                 yy += y.pow(2).sum((0, 2, 3)).cpu().double()
                 if keep:
-                    zs.append(z)
+                    zs[b].copy_(z)
         finally:
             hook.remove()
         self._z = (layer, _scores(w, s), zs) if keep else None
@@ -237,7 +239,8 @@ class LayerStream:
         try:
             for b in self._bar("advance"):
                 out = dec(self.h[b], **self.kwargs[b])
-                self.h[b] = out[0] if isinstance(out, tuple) else out
+                # in place: a new tensor per batch would pin the heap between the batch's freed temporaries
+                self.h[b].copy_(out[0] if isinstance(out, tuple) else out)
         finally:
             dec.self_attn = original
         trim_heap()
