@@ -185,10 +185,12 @@ class LayerStream:
         w = {k: v.to(self.h[0].dtype).to(self.device) for k, v in mla.to_tensors().items()}
         wo = dec.self_attn.o_proj.weight.detach().to(self.h[0].dtype).view(-1, s.h, s.d)  # [D, h, d]
         blocks = head_blocks(s.h, s.r, max_dim)
-        D, k = wo.shape[0], [len(b) * s.r for b in blocks]
-        zz = [torch.zeros(n, n, dtype=torch.float64) for n in k]
-        yz = [torch.zeros(D, n, dtype=torch.float64) for n in k]
-        yy = [0.0 for _ in blocks]
+        D = wo.shape[0]
+        # Y_j = W_O,H y_H is never formed per batch: E[y_H Z^T] and E[y_H y_H^T] (|H| d wide, not D) are
+        # mapped through W_O,H once at the end, which saves the [tokens, D] projection of every batch.
+        zz = [torch.zeros(len(b) * s.r, len(b) * s.r, dtype=torch.float64) for b in blocks]
+        yzh = [torch.zeros(len(b) * s.d, len(b) * s.r, dtype=torch.float64) for b in blocks]
+        yyh = [torch.zeros(len(b) * s.d, len(b) * s.d, dtype=torch.float64) for b in blocks]
         captured = []
         keep = s.h * s.r <= 2 * self.h[0].shape[-1]  # z no larger than 2 hidden states: keep it for advance()
         # allocated before any batch's temporaries, so kept latents do not pin the heap between them
@@ -217,17 +219,21 @@ class LayerStream:
                 Z = z.permute(0, 2, 1, 3).reshape(B * T, s.h * s.r)
                 for j, heads in enumerate(blocks):
                     Zj = Z[:, heads.start * s.r : heads.stop * s.r]
-                    Yj = torch.einsum("nhd,Dhd->nD", y[:, heads], wo[:, heads])
+                    yj = y[:, heads.start : heads.stop].reshape(B * T, -1)
                     zz[j] += (Zj.T @ Zj).cpu().double()
-                    yz[j] += (Yj.T @ Zj).cpu().double()
-                    yy[j] += Yj.pow(2).sum().item()
+                    yzh[j] += (yj.T @ Zj).cpu().double()
+                    yyh[j] += (yj.T @ yj).cpu().double()
                 if keep:
                     zs[b].copy_(z)
         finally:
             hook.remove()
         self._z = (layer, _scores(w, s), zs) if keep else None
         trim_heap()
-        return [RefitMoments(hb, a / self.n, c / self.n, e / self.n) for hb, a, c, e in zip(blocks, zz, yz, yy)]
+        out = []
+        for hb, a, c, e in zip(blocks, zz, yzh, yyh):
+            W = wo[:, hb.start : hb.stop].reshape(D, -1).double().cpu()  # W_O,H [D, |H| d]
+            out.append(RefitMoments(hb, a / self.n, W @ c / self.n, float(((W @ e) * W).sum()) / self.n))
+        return out
 
     @torch.no_grad()
     def advance(self, layer: int, mla: MLALayer | None, s: MLAShapes | None = None) -> None:
