@@ -99,6 +99,8 @@ def retime(args, res: dict, out: Path, model, tok, o: ConvertOptions, rows: list
     """Conversion wall time and peak RSS of the rows `rows` again, next to a fresh plain forward."""
     if not res["rows"]:
         raise SystemExit(f"--retime: {out} has no rows with this protocol; run the ablation first")
+    for r in res["rows"]:  # rows not retimed keep the forward they were timed against
+        r.setdefault("plain_forward_seconds", res["plain_forward_seconds"])
     res["plain_forward_seconds"] = round(plain_forward_seconds(model, tok, o), 2)
     for r in res["rows"]:
         if r["row"] not in rows:
@@ -128,8 +130,8 @@ def markdown(res: dict) -> str:
              "continuations with rep. > 0.5 or a token repeated 8 times.",
              "Convert = wall time of `transmla convert`: all of it (load, tokenize, calibrate, convert, export) / "
              "its compute (calibration passes and per-layer math), the latter also as a multiple of one plain "
-             f"forward with logits over the same calibration tokens ({res['plain_forward_seconds']:.1f} s; rows run "
-             "later are divided by a forward timed in their own run, since this machine's speed drifts between sessions); "
+             "forward with logits over the same calibration tokens timed in the row's own run (this machine's speed "
+             f"drifts between sessions; latest forward {res['plain_forward_seconds']:.1f} s); "
              f"peak RSS of the convert process; float32 model size {res['float32_gib']:.2f} GiB. Machine: "
              f"{pr['machine']}; one convert process at a time (`--retime` re-measures the times alone: run it on an "
              "idle machine).", ""]
@@ -139,7 +141,7 @@ def markdown(res: dict) -> str:
         lines.append(
             f"| {100 * (1 - r['kv_cache_ratio']):.2f}% | {r['qk_rope_head_dim']} + {r['kv_lora_rank']} | {r['label']} | "
             f"{r['wikitext2-test']:.2f} | {r['c4-demo']:.2f} | {r['prompt_nll']:.2f} | {r['prompt_repetition']:.2f} | "
-            f"{r['prompt_degenerate']} | {r['seconds']:.0f} / {_compute(r)} | "
+            f"{r['prompt_degenerate']} | {'n/a' if r['seconds'] is None else format(r['seconds'], '.0f')} / {_compute(r)} | "
             f"{r['peak_rss_gib']:.2f} |")
     lines += ["", "Continuations of the combined modes at each budget:", ""]
     for r in res["rows"]:
