@@ -44,7 +44,7 @@ Row = Literal["mha2mla", "transmla", "transmla-refit"]
 
 class MethodsParams(Strict):
     """Options of each row: `transmla` is the paper's TransMLA (parallel calibration, no refit);
-    `transmla-refit` calibrates layer by layer, in attention's metric, with the W_UV refit."""
+    `transmla-refit` calibrates layer by layer, in attention's metric, with the output refit (W_UV and o_proj)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

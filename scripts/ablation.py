@@ -54,12 +54,15 @@ ROWS = {
     "refit": ("+ LS refit (one pass)", ["--paper", "--refit"]),
     "sequential_refit": ("+ sequential + LS refit", ["--paper", "--calibration", "sequential", "--refit"]),
     "all": ("all combined (default)", []),
+    "all_qm": ("all combined, query-metric RoRoPE", ["--rorope-metric", "query"]),
     # Opt-in (--rows): a code model calibrated half on code. The running interpreter's standard library
     # is Python source every machine has, so the row reproduces without a code data set.
     "all_code": ("all combined, calibration half Python source",
                  ["--cal-dataset", f"wikitext2-train+path:{Path(os.__file__).parent}"]),
+    "all_code_qm": ("all combined, query-metric RoRoPE, calibration half Python source",
+                    ["--rorope-metric", "query", "--cal-dataset", f"wikitext2-train+path:{Path(os.__file__).parent}"]),
 }
-DEFAULT_ROWS = [r for r in ROWS if r != "all_code"]
+DEFAULT_ROWS = [r for r in ROWS if not r.startswith("all_code")]
 DATASETS = ("wikitext2-test", "c4-demo")
 
 
@@ -96,13 +99,16 @@ def retime(args, res: dict, out: Path, model, tok, o: ConvertOptions, rows: list
     """Conversion wall time and peak RSS of the rows `rows` again, next to a fresh plain forward."""
     if not res["rows"]:
         raise SystemExit(f"--retime: {out} has no rows with this protocol; run the ablation first")
+    for r in res["rows"]:  # rows not retimed keep the forward they were timed against
+        r.setdefault("plain_forward_seconds", res["plain_forward_seconds"])
     res["plain_forward_seconds"] = round(plain_forward_seconds(model, tok, o), 2)
     for r in res["rows"]:
         if r["row"] not in rows:
             continue
         with tempfile.TemporaryDirectory() as tmp:
             info = convert_row(args.model, r["budget"], ROWS[r["row"]][1], Path(tmp) / "model")
-        r.update({k: info[k] for k in ("seconds", "calibration_seconds", "compute_seconds", "peak_rss_gib")})
+        r.update({k: info[k] for k in ("seconds", "calibration_seconds", "compute_seconds", "peak_rss_gib")},
+                 plain_forward_seconds=res["plain_forward_seconds"])
         save(res, out)
         print(json.dumps({k: r[k] for k in ("row", "budget", "seconds", "compute_seconds", "peak_rss_gib")}), flush=True)
 
@@ -110,7 +116,8 @@ def retime(args, res: dict, out: Path, model, tok, o: ConvertOptions, rows: list
 def markdown(res: dict) -> str:
     def _compute(r):
         c = r.get("compute_seconds")
-        return "n/a" if c is None else f"{c:.0f} ({c / res['plain_forward_seconds']:.1f}x)"
+        fwd = r.get("plain_forward_seconds", res["plain_forward_seconds"])  # the row's own run, else the report's
+        return "n/a" if c is None else f"{c:.0f} ({c / fwd:.1f}x)"
 
     pr = res["protocol"]
     in_dtype = f", forwards in {pr['eval_dtype']}" if "eval_dtype" in pr else ""
@@ -123,7 +130,8 @@ def markdown(res: dict) -> str:
              "continuations with rep. > 0.5 or a token repeated 8 times.",
              "Convert = wall time of `transmla convert`: all of it (load, tokenize, calibrate, convert, export) / "
              "its compute (calibration passes and per-layer math), the latter also as a multiple of one plain "
-             f"forward with logits over the same calibration tokens ({res['plain_forward_seconds']:.1f} s); "
+             "forward with logits over the same calibration tokens timed in the row's own run (this machine's speed "
+             f"drifts between sessions; latest forward {res['plain_forward_seconds']:.1f} s); "
              f"peak RSS of the convert process; float32 model size {res['float32_gib']:.2f} GiB. Machine: "
              f"{pr['machine']}; one convert process at a time (`--retime` re-measures the times alone: run it on an "
              "idle machine).", ""]
@@ -133,11 +141,11 @@ def markdown(res: dict) -> str:
         lines.append(
             f"| {100 * (1 - r['kv_cache_ratio']):.2f}% | {r['qk_rope_head_dim']} + {r['kv_lora_rank']} | {r['label']} | "
             f"{r['wikitext2-test']:.2f} | {r['c4-demo']:.2f} | {r['prompt_nll']:.2f} | {r['prompt_repetition']:.2f} | "
-            f"{r['prompt_degenerate']} | {r['seconds']:.0f} / {_compute(r)} | "
+            f"{r['prompt_degenerate']} | {'n/a' if r['seconds'] is None else format(r['seconds'], '.0f')} / {_compute(r)} | "
             f"{r['peak_rss_gib']:.2f} |")
-    lines += ["", "Continuations of the default mode (and of the code-calibrated row, where run) at each budget:", ""]
+    lines += ["", "Continuations of the combined modes at each budget:", ""]
     for r in res["rows"]:
-        if r["row"] in ("all", "all_code"):
+        if r["row"].startswith("all"):
             lines.append(f"- {100 * (1 - r['kv_cache_ratio']):.2f}%, {r['label']}: " + "; ".join(
                 f"`{p['prompt']}` -> `{p['continuation'].strip()[:80]}`" for p in r["prompts"]))
     return "\n".join(lines) + "\n"
@@ -195,6 +203,9 @@ def main() -> None:
     done = {(r["row"], r["budget"]) for r in res["rows"]}
     from transformers import AutoModelForCausalLM
 
+    todo = [(b, row) for b in [float(b) for b in args.budgets.split(",")] for row in rows if (row, b) not in done]
+    fwd = round(plain_forward_seconds(model, tok, o, repeats=1), 2) if todo else None  # this run's machine speed
+
     for budget in [float(b) for b in args.budgets.split(",")]:
         for row in rows:
             if (row, budget) in done:
@@ -207,7 +218,7 @@ def main() -> None:
             fast = use_causal_padded_sdpa(mla.to(eval_dtype))
             r = {"row": row, "label": label, "budget": budget, **{k: info[k] for k in (
                 "qk_rope_head_dim", "kv_lora_rank", "kv_cache_ratio", "seconds", "calibration_seconds", "compute_seconds",
-                "peak_rss_gib")},
+                "peak_rss_gib")}, "plain_forward_seconds": fwd,
                 **{d: round(ppl(fast, d), 3) for d in DATASETS}, **prompts.summary(p), "prompts": p}
             res["rows"].append(r)
             res["rows"].sort(key=lambda x: (-x["kv_cache_ratio"], list(ROWS).index(x["row"])))

@@ -16,9 +16,11 @@ from .model import load, spec_of
 
 
 @cached_task("layer_rotation")
-def layer_rotation(model: dict, stats: dict, layer: int, plan: list[int], method: str, freqfold: int) -> dict:
+def layer_rotation(model: dict, stats: dict, layer: int, plan: list[int], method: str, freqfold: int,
+                   rorope_metric: str) -> dict:
     w = attention_weights(load(model["path"])[0], layer)
-    rot = rotation_step(w, stats_of(stats).moments(layer), spec_of(model), plan, method, freqfold)
+    rot = rotation_step(w, stats_of(stats).moments(layer), spec_of(model), plan, method, freqfold,
+                        rorope_metric)
     return save_tensors("rotation", rot.to_tensors())
 
 

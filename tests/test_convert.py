@@ -22,7 +22,7 @@ from transmla.io.export import instantiate
 from transmla.config import LATENT_NORM_EPS, PAPER_TRANSMLA
 from transmla.method.mla import build_mla_layer, norm_identity_scale
 from transmla.method.rope import inv_freq, lossless_plan, standard_plan
-from transmla.method.rorope import KeyRotation, rorope
+from transmla.method.rorope import KeyRotation, _pair_indices, rorope
 from transmla.io.sources import load_model
 
 CAL = dict(cal_nsamples=8, cal_seqlen=64, cal_batch_size=4)
@@ -119,6 +119,35 @@ def test_rorope_rotation_preserves_rope_scores(freqfold):
     assert torch.allclose(ref, new, atol=1e-9)
 
 
+def test_rorope_query_metric_preserves_rope_scores():
+    """The query-metric RoRoPE (keys Q^1/2 k, queries Q^-1/2 q, per frequency) changes no RoPE score at
+    FreqFold 1 with every coordinate kept, and ranks components by score energy: the kept RoPE pair holds
+    the most E[(q'.k')^2] of its frequency, which the key-metric pick need not."""
+    torch.manual_seed(0)
+    g, d = 3, 16
+    A, B = torch.randn(g * d, g * d, dtype=torch.float64), torch.randn(g * d, g * d, dtype=torch.float64)
+    cov_k, cov_q = A @ A.T, B @ B.T
+    rot = rorope(cov_k, g, d, lossless_plan(d, g), 1, cov_q=cov_q)
+    assert torch.allclose(rot.query_T @ rot.T.T, torch.eye(g * d, dtype=torch.float64), atol=1e-8)  # Tq = T^-T
+    theta = inv_freq(10000.0, d)
+    pos = torch.arange(7, dtype=torch.float64)
+    k, q = torch.randn(7, g * d, dtype=torch.float64), torch.randn(7, g * d, dtype=torch.float64)
+    per_head = lambda x: torch.cat([_rope(x[:, i * d:(i + 1) * d], theta, pos) for i in range(g)], -1)  # noqa: E731
+    freqs = theta[rot.plan]
+    new = _rope(q @ rot.query_T.T, freqs, pos) @ _rope(k @ rot.T.T, freqs, pos).T
+    assert torch.allclose(per_head(q) @ per_head(k).T, new, atol=1e-8)
+    # ranking: of frequency 0's components, the kept RoPE pair carries the most score energy
+    # E[(q'_c k'_c)^2] = (a Kf a)(b Qf b) (a, b: its key and query rows over the frequency's coordinates)
+    plan = standard_plan(d, 2)
+    top = rorope(cov_k, g, d, plan, 1, cov_q=cov_q)
+    re, im = _pair_indices(g, d, range(0, 1))
+    Kf, Qf = cov_k[re][:, re] + cov_k[im][:, im], cov_q[re][:, re] + cov_q[im][:, im]
+    rows = [r for r in range(g * d) if top.T[r, re].abs().sum() > 0]
+    score = [float((top.T[r, re] @ Kf @ top.T[r, re]) * (top.Tq[r, re] @ Qf @ top.Tq[r, re])) for r in rows]
+    assert rows[0] == 0 and score[0] == max(score) and score[0] > min(score)
+    assert top.Tq is not None and rorope(cov_k, g, d, plan, 1).Tq is None
+
+
 def test_lossless_export_matches_original(tiny, tmp_path, tiny_model_dir):
     """Acceptance 1 on tiny Llama and Qwen2 (with q/k/v biases): stock AutoModelForCausalLM."""
     model, tok, spec, _ = tiny
@@ -207,6 +236,12 @@ def test_budget_shorthand_reproduces_paper_settings():
     llama2 = GQASpec("llama", 4096, 32, 32, 128, 32, 1e4, 1e-5, 32000, 11008, "silu", 4096, False, 1, 2, None)
     b = resolve_budget(llama2, ConvertOptions(kv_cache_ratio=1 - 0.9297))
     assert (b.rope_dim, b.kv_lora_rank) == (64, 512)
+    # two KV heads (Qwen2.5-0.5B): half the budget may carry RoPE
+    qwen = GQASpec("qwen2", 896, 14, 2, 64, 24, 1e6, 1e-6, 151936, 4864, "silu", 32768, True, 1, 2, None)
+    b = resolve_budget(qwen, ConvertOptions(kv_cache_ratio=0.3125))
+    assert (b.rope_dim, b.kv_lora_rank) == (32, 48)
+    b = resolve_budget(qwen, ConvertOptions(kv_cache_ratio=0.125))
+    assert (b.rope_dim, b.kv_lora_rank) == (16, 16)
 
 
 @pytest.mark.parametrize(

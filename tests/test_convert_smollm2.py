@@ -55,7 +55,7 @@ def test_transmla_bkv_beats_mha2mla(calibrated, rope_dim, rank):
 
 
 def test_recommended_mode_beats_the_paper(calibrated):
-    """At the 68.75% cut the default mode (sequential calibration + attention-aware + W_UV refit) has a lower
+    """At the 68.75% cut the default mode (sequential calibration + attention-aware + output refit) has a lower
     WikiText-2 perplexity than the paper's TransMLA on the same calibration set (8,192 tokens here;
     the full comparison is scripts/ablation.py)."""
     model, tok, spec, stats = calibrated

@@ -11,7 +11,7 @@ from transmla.io.data import load_texts
 from transmla.io.export import instantiate
 from transmla.io.sources import load_model
 from transmla.method.calibration import calibration_ids, collect_stats
-from transmla.method.refit import RefitMoments, refit_values
+from transmla.method.refit import RefitMoments, composite, factor_head, head_blocks, refit_output, solve_block
 from transmla.pipeline.layer import refit_step
 from transmla.pipeline.stream import LayerStream
 
@@ -72,42 +72,98 @@ def test_sequential_moments_are_those_of_the_converted_model(tiny):
 
 
 def test_refit_is_exact_at_full_rank(tiny):
-    """With the scores exact (all RoPE kept, full rank), the refit's least squares recovers W_UV exactly:
-    the values of the refit layer equal the PCA layer's, and the fit's residual is ~0."""
-    model, _, spec, ids = tiny
+    """With the scores exact (all RoPE kept, full rank), the refit's least squares recovers each layer's own
+    output on the calibration tokens (residual ~0), and the model refit layer by layer still gives the original
+    log-probs on held-out text."""
+    from transmla.adapters import attention_weights
+    from transmla.config import REFIT_DAMP
+    from transmla.pipeline.layer import value_bias
+
+    model, tok, spec, ids = tiny
     o = ConvertOptions(lossless=True, calibration="sequential")
     budget, layers, _ = _convert(tiny, o)
     stream = LayerStream(model, ids, 4, progress=False)
     s = mla_shapes(spec, budget, o)
+    refit = []
+    for i, layer in enumerate(layers):
+        blocks = stream.refit_moments(i, layer, s, value_bias(attention_weights(model, i), spec), max_dim=4096)
+        assert len(blocks) == 1
+        new, diag = refit_step(layer, blocks, spec, damp=REFIT_DAMP)
+        assert diag["refit_residual"] < 1e-5 and diag["refit_residual_before"] < 1e-5  # float32 activations
+        stream.advance(i, new, s)
+        refit.append(new)
+    mla = instantiate(*assemble(model, spec, budget, refit, o))
+    text = tok("\n\n".join(load_texts("wikitext2-test")[1:30]), return_tensors="pt").input_ids[:, :200]
+    assert (_logprobs(mla, text) - _logprobs(model, text)).abs().max() < 1e-3
+
+
+def _synthetic_block(h=3, d=5, r=4, D=7, n=4000, noise=0.1, seed=0):
+    torch.manual_seed(seed)
+    M = torch.randn(D, h * r, dtype=torch.float64)
+    Z = torch.randn(n, h * r, dtype=torch.float64) @ torch.randn(h * r, h * r, dtype=torch.float64)
+    Y = Z @ M.T + noise * torch.randn(n, D, dtype=torch.float64)
+    return M, Z, Y, RefitMoments(range(h), Z.T @ Z / n, Y.T @ Z / n, float(Y.pow(2).sum() / n))
+
+
+def test_refit_solves_the_normal_equations():
+    """solve_block is the least-squares solution over all heads jointly: on synthetic Z, Y = M Z + noise it
+    equals lstsq and beats M itself."""
+    M, Z, Y, m = _synthetic_block()
+    fit = solve_block(m, damp=0.0)
+    assert torch.allclose(fit, torch.linalg.lstsq(Z, Y).solution.T, atol=1e-10)
+    assert m.residual(fit) <= m.residual(M)
+
+
+def test_refit_factors_into_deepseek_shapes():
+    """refit_output returns o_proj [D, h d] and W_UV [h, d, r] whose products are the joint fit: exactly when
+    r <= d; when r > d, the rank-d truncation, which loses less on the latents than a plain SVD truncation."""
+    h, d, r, D = 3, 5, 4, 7
+    M, Z, Y, m = _synthetic_block(h, d, r, D)
+    o, w, diag = refit_output([m], torch.zeros(D, h * d, dtype=torch.float64), torch.zeros(h, d, r, dtype=torch.float64), 0.0)
+    assert o.shape == (D, h * d) and w.shape == (h, d, r)
+    assert torch.allclose(composite(o, w, range(h)), solve_block(m, 0.0), atol=1e-9)
+    assert diag["refit_residual_before"] == pytest.approx(1.0) and diag["refit_residual"] < 0.01
+
+    d = 2  # r = 4 > d: truncation in the latents' metric
+    fit = solve_block(m, 0.0)
+    for a in range(h):
+        mi, zi = fit[:, a * r : (a + 1) * r], m.zz[a * r : (a + 1) * r, a * r : (a + 1) * r]
+        oi, wi = factor_head(mi, zi, d)
+        U, S, Vh = torch.linalg.svd(mi, full_matrices=False)
+        plain = (U[:, :d] * S[:d]) @ Vh[:d]
+        err = lambda x: torch.trace((mi - x) @ zi @ (mi - x).T)  # noqa: E731
+        assert oi.shape == (D, d) and wi.shape == (d, r)
+        assert err(oi @ wi) <= err(plain) + 1e-9
+
+
+def test_refit_in_blocks_of_heads(tiny):
+    """head_blocks partitions the heads by max_dim. On a lossy conversion, a refit one head per block (each
+    reproducing its own head's share of Y) lowers the output residual, and fitting all heads jointly lowers
+    it further."""
+    assert head_blocks(14, 48, 4096) == [range(0, 14)]
+    assert head_blocks(32, 512, 4096) == [range(0, 8), range(8, 16), range(16, 24), range(24, 32)]
+    assert head_blocks(4, 600, 512) == [range(i, i + 1) for i in range(4)]
     from transmla.adapters import attention_weights
     from transmla.pipeline.layer import value_bias
 
-    m = stream.refit_moments(0, layers[0], s, value_bias(attention_weights(model, 0), spec))
-    refit, diag = refit_step(layers[0], m, spec, damp=1e-12)
-    d = spec.d
-    a = layers[0].kv_b_proj.view(spec.h, 2 * d, -1)[:, d:]
-    b = refit.kv_b_proj.view(spec.h, 2 * d, -1)[:, d:]
-    assert torch.allclose(a, b, atol=1e-4 * a.abs().max())
-    assert diag["refit_residual"] < 1e-6 and diag["refit_residual_before"] < 1e-6  # float32 activations
-
-
-def test_refit_values_solves_the_normal_equations():
-    """refit_values is the least-squares solution: on synthetic z, y = W z + noise it beats W itself."""
-    torch.manual_seed(0)
-    h, d, r, n = 3, 5, 4, 4000
-    W = torch.randn(h, d, r, dtype=torch.float64)
-    z = torch.randn(h, n, r, dtype=torch.float64)
-    y = torch.einsum("hdr,hnr->hnd", W, z) + 0.1 * torch.randn(h, n, d, dtype=torch.float64)
-    m = RefitMoments(torch.einsum("hnr,hns->hrs", z, z) / n, torch.einsum("hnd,hnr->hdr", y, z) / n,
-                     y.pow(2).sum((1, 2)) / n)
-    w_fit, diag = refit_values(m, damp=0.0)
-    direct = torch.linalg.lstsq(z, y).solution.transpose(1, 2)
-    assert torch.allclose(w_fit, direct, atol=1e-10)
-    assert diag["refit_residual"] <= m.residual(W)
+    model, _, spec, ids = tiny
+    o = ConvertOptions(qk_rope_dim=4, kv_lora_rank=8, refit=False)
+    budget, layers, _ = _convert(tiny, o)
+    s = mla_shapes(spec, budget, o)
+    vb = value_bias(attention_weights(model, 0), spec)
+    per_head = LayerStream(model, ids, 4, progress=False).refit_moments(0, layers[0], s, vb, max_dim=s.r)
+    joint = LayerStream(model, ids, 4, progress=False).refit_moments(0, layers[0], s, vb, max_dim=4096)
+    assert [b.heads for b in per_head] == [range(i, i + 1) for i in range(spec.h)]
+    by_head, _ = refit_step(layers[0], per_head, spec, damp=1e-6)
+    _, d_joint = refit_step(layers[0], joint, spec, damp=1e-6)
+    d, heads = spec.d, range(spec.h)
+    full = joint[0].residual  # the whole layer's output residual
+    residual_by_head = full(composite(by_head.o_proj, by_head.kv_b_proj.view(spec.h, 2 * d, -1)[:, d:], heads))
+    assert d_joint["refit_residual"] < residual_by_head < d_joint["refit_residual_before"]
 
 
 def test_advance_after_refit_reuses_the_latents_correctly(tiny):
-    """advance() after refit_moments() reuses the attention-weighted latents with the refit W_UV: the hidden
+    """advance() after refit_moments() reuses the attention-weighted latents with the refit W_UV and o_proj: the hidden
     states equal those of a fresh stream pushed through the refit layer."""
     from transmla.adapters import attention_weights
     from transmla.pipeline.layer import value_bias
@@ -117,7 +173,7 @@ def test_advance_after_refit_reuses_the_latents_correctly(tiny):
     budget, layers, _ = _convert(tiny, o.replace(refit=False))
     s = mla_shapes(spec, budget, o)
     reused, fresh = LayerStream(model, ids, 4, progress=False), LayerStream(model, ids, 4, progress=False)
-    m = reused.refit_moments(0, layers[0], s, value_bias(attention_weights(model, 0), spec))
+    m = reused.refit_moments(0, layers[0], s, value_bias(attention_weights(model, 0), spec), max_dim=4096)
     refit, _ = refit_step(layers[0], m, spec, damp=1e-6)
     assert not torch.allclose(refit.kv_b_proj, layers[0].kv_b_proj)
     assert reused._z is not None  # small z: kept

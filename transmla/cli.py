@@ -71,7 +71,7 @@ def convert_options(args) -> ConvertOptions:
         method=args.method, kv_cache_ratio=args.kv_cache_ratio, qk_rope_dim=args.qk_rope_dim,
         kv_lora_rank=args.kv_lora_rank, freqfold=args.freqfold, q_lora_rank=args.q_lora_rank,
         balance_kv=not args.no_balance_kv, attention_aware=args.attention_aware, pca=args.pca,
-        calibration=args.calibration, refit=args.refit, lossless=args.lossless,
+        calibration=args.calibration, refit=args.refit, rorope_metric=args.rorope_metric, lossless=args.lossless,
         cal_dataset=args.cal_dataset, cal_nsamples=args.cal_nsamples, cal_seqlen=args.cal_seqlen, seed=args.seed,
         dtype=args.dtype, device=args.device, latent_norm_eps=args.latent_norm_eps,
     )
@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(two_pass, the authors' code) or layer by layer on the converted model (sequential, default)")
     c.add_argument("--refit", action=argparse.BooleanOptionalAction, default=None,
                    help="extension: least-squares refit of the value up-projections to the original layers' outputs")
+    c.add_argument("--rorope-metric", default=CO["rorope_metric"].default, choices=["key", "query"],
+                   help="extension: rank RoRoPE components by key energy (default, the paper) or by the score energy "
+                        "the queries read (query: better for models with few KV heads, e.g. Qwen2.5-0.5B)")
     c.add_argument("--paper", action="store_true",
                    help="the paper's TransMLA: --calibration parallel --no-refit --no-attention-aware unless "
                         "given explicitly (ablations: --paper --refit)")

@@ -27,7 +27,8 @@ BENCHMARKS = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openboo
 # transformers' DeepseekV3 builds kv_a_layernorm / q_a_layernorm with its default eps, 1e-6, not
 # config.rms_norm_eps; the latent-norm identity is built for it (transmla.method.mla).
 LATENT_NORM_EPS = 1e-6
-REFIT_DAMP = 1e-6  # ridge of the W_UV refit, relative to the mean eigenvalue of E[z z^T] (method.refit)
+REFIT_DAMP = 1e-4  # ridge of the output refit, relative to the mean eigenvalue of E[Z Z^T] (method.refit)
+REFIT_MAX_DIM = 4096  # latent coordinates fitted jointly (heads x rank): bounds the refit's O(n^2) memory
 FINETUNE_CORPORA = ("c4-demo", "wiki-demo", "wikitext2-train")
 
 
@@ -80,7 +81,7 @@ class TransMLAOptions(Options):
 
     The defaults are this project's recommended mode (measured best at every KV budget, reports/):
     the paper's steps calibrated layer by layer on the converted model, in attention's metric, with
-    the value up-projections refit to the original layers' outputs. PAPER_TRANSMLA: the paper's own.
+    the value path (W_UV, o_proj) refit to the original layers' outputs. PAPER_TRANSMLA: the paper's own.
     """
 
     freqfold: int = 4
@@ -90,7 +91,10 @@ class TransMLAOptions(Options):
     # parallel: statistics of the original model (the paper); two_pass: the authors' code (PCA statistics
     # recomputed with RoPE dropped); sequential: layer by layer on the converted prefix (pipeline.stream)
     calibration: Literal["parallel", "two_pass", "sequential"] = "sequential"
-    refit: bool = True  # extension: least-squares refit of W_UV to the original layer's output (method.refit)
+    refit: bool = True  # extension: joint least-squares refit of W_UV and o_proj to the original layer's output (method.refit)
+    # extension: RoRoPE's PCA ranks components by key energy (the paper) or by the score energy the queries
+    # read from them (method.rorope); query helps few-KV-head models (Qwen2.5-0.5B, g=2), not SmolLM2 (reports/)
+    rorope_metric: Literal["key", "query"] = "key"
 
     @field_validator("freqfold")
     @classmethod
@@ -124,6 +128,7 @@ class ConvertOptions(Options):
     pca: Literal["activations", "weights"] = _TM["pca"].default
     calibration: Literal["parallel", "two_pass", "sequential"] = _TM["calibration"].default
     refit: bool = _TM["refit"].default
+    rorope_metric: Literal["key", "query"] = _TM["rorope_metric"].default
     lossless: bool = False
     cal_dataset: str = _CAL["dataset"].default
     cal_nsamples: int = Field(_CAL["nsamples"].default, ge=1)
@@ -181,9 +186,9 @@ class ConvertOptions(Options):
         MHA2MLA has no FreqFold, balancing, PCA mode or metric; lossless TransMLA keeps every frequency and has no refit."""
         if self.method == "mha2mla":
             return self.replace(freqfold=1, balance_kv=False, pca="weights", attention_aware=False,
-                                calibration="parallel", refit=False)
-        if self.lossless:  # exact by construction: nothing for a least-squares refit to improve
-            return self.replace(freqfold=1, refit=False)
+                                calibration="parallel", refit=False, rorope_metric="key")
+        if self.lossless:  # exact by construction: nothing for a least-squares refit or a metric to improve
+            return self.replace(freqfold=1, refit=False, rorope_metric="key")
         return self
 
     @property
@@ -195,7 +200,7 @@ class ConvertOptions(Options):
     def rotation_options(self) -> dict:
         """What the per-layer rotation step depends on (besides weights, statistics and the RoPE plan)."""
         n = self.normalized()
-        return {"method": n.method, "freqfold": n.freqfold}
+        return {"method": n.method, "freqfold": n.freqfold, "rorope_metric": n.rorope_metric}
 
     def basis_options(self) -> dict:
         """What the per-layer BKV basis step depends on (besides weights, statistics, rotation and rank)."""
@@ -206,7 +211,7 @@ class ConvertOptions(Options):
         """The options this method actually uses (tracking): no fields the method ignores, no unset shorthands."""
         n = self.normalized().model_dump()
         if self.method == "mha2mla":
-            for k in ("freqfold", "balance_kv", "pca", "attention_aware", "calibration", "refit", "lossless"):
+            for k in ("freqfold", "balance_kv", "pca", "attention_aware", "calibration", "refit", "rorope_metric", "lossless"):
                 n.pop(k)
         return {k: v for k, v in n.items() if v is not None}
 

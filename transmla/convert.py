@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from transmla.adapters import GQASpec, attention_weights, read_spec
-from transmla.config import REFIT_DAMP, ConvertOptions
+from transmla.config import REFIT_DAMP, REFIT_MAX_DIM, ConvertOptions
 from transmla.method.calibration import CalibrationStats, collect_stats, mixed_calibration_ids
 from transmla.method.mla import MLALayer
 from transmla.pipeline.assemble import assemble, conversion_metadata
@@ -70,7 +70,8 @@ def convert_layers(model, stats: CalibrationStats | None, spec: GQASpec, budget:
         layer, diag = layer_step(w, m, spec, rot, basis, o.q_lora_rank, o.norm_eps)
         if n.refit:
             s = mla_shapes(spec, budget, o)
-            layer, fit = refit_step(layer, stream.refit_moments(i, layer, s, value_bias(w, spec)), spec, REFIT_DAMP)
+            blocks = stream.refit_moments(i, layer, s, value_bias(w, spec), REFIT_MAX_DIM)
+            layer, fit = refit_step(layer, blocks, spec, REFIT_DAMP)
             diag.update(fit)
         if n.calibration == "sequential":
             stream.advance(i, layer, mla_shapes(spec, budget, o))

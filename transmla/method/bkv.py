@@ -83,7 +83,7 @@ def _psd_sqrt(S: torch.Tensor, rel_floor: float = 1e-6) -> torch.Tensor:
     return (vecs * vals.sqrt()) @ vecs.T
 
 
-def attention_metrics(w, T: torch.Tensor, rope_dim: int, xx, mu, h: int, g: int, d: int):
+def attention_metrics(w, Tq: torch.Tensor, rope_dim: int, xx, mu, h: int, g: int, d: int):
     """Metrics that make the joint PCA minimise what attention actually sees (our extension).
 
     Key error e = k_nope - k_hat changes head i's score by q_nope_i . e, so summed over heads its mean
@@ -99,7 +99,7 @@ def attention_metrics(w, T: torch.Tensor, rope_dim: int, xx, mu, h: int, g: int,
     O = torch.zeros(L, L, dtype=torch.float64)
     for i in range(h):
         blk = kv_block(i, h, g, d)
-        B = T[R:, blk]
+        B = Tq[R:, blk]  # the queries' NoPE coordinates (RoRoPE's query-side basis)
         bq = None if w.bq is None else w.bq[i * d : (i + 1) * d]
         Q += B @ affine_second_moment(w.wq[i * d : (i + 1) * d], bq, xx, mu) @ B.T
         Wo = w.wo[:, i * d : (i + 1) * d]

@@ -114,7 +114,7 @@ def query_weights(w: AttentionWeights, rot: KeyRotation, h: int, g: int, d: int)
     bq = None if w.bq is None else w.bq.view(h, d)
     rows, biases = [], []
     for i in range(h):
-        Tj = rot.T[:R, kv_block(i, h, g, d)][il]  # [R, d]: RoRoPE of the merged key, seen by head i
+        Tj = rot.query_T[:R, kv_block(i, h, g, d)][il]  # [R, d]: RoRoPE of the merged key, seen by head i
         rows += [wq[i], Tj @ wq[i]]
         if bq is not None:
             biases += [bq[i], Tj @ bq[i]]
@@ -155,7 +155,7 @@ def build_mla_layer(
     kv_b = []
     for i in range(h):
         blk = kv_block(i, h, g, d)
-        kv_b += [T[R:, blk].T @ Pk, Pv[blk]]
+        kv_b += [rot.query_T[R:, blk].T @ Pk, Pv[blk]]
     kv_b = torch.cat(kv_b, 0)
 
     # o_proj; the value bias moves here: sum_t a_t (v_t + b) = sum_t a_t v_t + b

@@ -28,26 +28,35 @@ from transmla.method.linalg import eigh_desc
 class KeyRotation:
     """An orthogonal change of basis of the merged key and which rows keep RoPE.
 
-    T: [g*d, g*d] float64, rows = new coordinates (first 2*len(plan) are RoPE, rotate_half layout).
+    T: [g*d, g*d] float64, rows = new coordinates of the key (first 2*len(plan) are RoPE, rotate_half layout).
     plan: original frequency index of each RoPE pair.
-    energy: fraction of the key's RoPE-carrying energy captured by the kept rows (diagnostic).
+    energy: fraction of the key's RoPE-carrying energy (or score energy, in the query metric) in the kept rows.
+    Tq: the queries' change of basis, T^-T (None: T is orthogonal and is its own); q' . k' = q . k.
     """
 
     T: torch.Tensor
     plan: list[int]
     energy: float
+    Tq: torch.Tensor | None = None
+
+    @property
+    def query_T(self) -> torch.Tensor:
+        return self.T if self.Tq is None else self.Tq
 
     @property
     def rope_dim(self) -> int:
         return 2 * len(self.plan)
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        return {"T": self.T, "plan": torch.tensor(self.plan, dtype=torch.int64),
-                "energy": torch.tensor([self.energy], dtype=torch.float64)}
+        t = {"T": self.T, "plan": torch.tensor(self.plan, dtype=torch.int64),
+             "energy": torch.tensor([self.energy], dtype=torch.float64)}
+        return t if self.Tq is None else {**t, "Tq": self.Tq}
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor]) -> "KeyRotation":
-        return cls(t["T"].to(torch.float64), t["plan"].tolist(), float(t["energy"].item()))
+        Tq = t.get("Tq")
+        return cls(t["T"].to(torch.float64), t["plan"].tolist(), float(t["energy"].item()),
+                   None if Tq is None else Tq.to(torch.float64))
 
 
 def _pair_indices(g: int, d: int, freqs: range) -> tuple[list[int], list[int]]:
@@ -65,38 +74,63 @@ def validate_freqfold(freqfold: int, d: int) -> None:
         )
 
 
-def rorope(cov_k: torch.Tensor, g: int, d: int, plan: list[int], freqfold: int = 1) -> KeyRotation:
+def _psd_pow(S: torch.Tensor, p: float, rel_floor: float = 1e-8) -> torch.Tensor:
+    vals, vecs = torch.linalg.eigh(0.5 * (S + S.T))
+    vals = vals.clamp_min(rel_floor * vals.max().clamp_min(1e-30))
+    return (vecs * vals.pow(p)) @ vecs.T
+
+
+def rorope(cov_k: torch.Tensor, g: int, d: int, plan: list[int], freqfold: int = 1,
+           cov_q: torch.Tensor | None = None) -> KeyRotation:
     """RoRoPE (+FreqFold) rotation from the merged-key second moment cov_k = E[k k^T], [g*d, g*d].
 
     Each frequency group (M = freqfold adjacent frequencies) gets one PCA over its g*M real and g*M
     imaginary coordinates. Its top components go to the RoPE pairs whose planned frequency falls in the
     group (in order); the rest become NoPE coordinates.
+
+    cov_q (our extension): the merged queries' second moment sum_i E[(E_j q_i)(E_j q_i)^T]. The PCA then
+    runs in the query metric: keys Q^1/2 k, queries Q^-1/2 q (scores unchanged), so components are ranked
+    by the score energy they carry, E[(q'_c k'_c)^2] ~ lambda_c, not by key energy: RoPE stays where
+    the queries read position. Each component is then balanced (key and query variances equal).
     """
     validate_freqfold(freqfold, d)
     half, L, R = d // 2, g * d, 2 * len(plan)
     T = torch.zeros(L, L, dtype=torch.float64)
+    Tq = None if cov_q is None else torch.zeros(L, L, dtype=torch.float64)
     nope_row = R
     kept, total = 0.0, 0.0
     for j in range(half // freqfold):
         freqs = range(j * freqfold, (j + 1) * freqfold)
         re, im = _pair_indices(g, d, freqs)
-        vals, U = eigh_desc(cov_k[re][:, re] + cov_k[im][:, im])
+        Kf = cov_k[re][:, re] + cov_k[im][:, im]
+        if cov_q is None:
+            vals, U = eigh_desc(Kf)
+            A = B = U.T  # rows: key / query coordinates of each component
+        else:
+            Qf = cov_q[re][:, re] + cov_q[im][:, im]
+            Qh, Qih = _psd_pow(Qf, 0.5), _psd_pow(Qf, -0.5)
+            vals, U = eigh_desc(Qh @ Kf @ Qh)
+            gamma = vals.clamp_min(1e-30 * vals[0].clamp_min(1e-30)).pow(-0.25)  # balance key/query variance
+            A, B = gamma[:, None] * (U.T @ Qh), (U.T @ Qih) / gamma[:, None]
         slots = [p for p, l in enumerate(plan) if l in freqs]
-        if len(slots) > U.shape[1]:
+        if len(slots) > A.shape[0]:
             raise TransMLAError(
                 f"{len(slots)} RoPE pairs planned in a frequency group with only {U.shape[1]} components.",
                 "lower qk_rope_head_dim or raise freqfold.",
             )
-        for a in range(U.shape[1]):
+        for a in range(A.shape[0]):
             if a < len(slots):
                 r_re, r_im = slots[a], R // 2 + slots[a]
             else:
                 r_re, r_im = nope_row, nope_row + 1
                 nope_row += 2
-            T[r_re, re] = U[:, a]
-            T[r_im, im] = U[:, a]
+            T[r_re, re] = A[a]
+            T[r_im, im] = A[a]
+            if Tq is not None:
+                Tq[r_re, re] = B[a]
+                Tq[r_im, im] = B[a]
         kept += vals[: len(slots)].clamp_min(0).sum().item()
         total += vals.clamp_min(0).sum().item()
     assert nope_row == L
-    return KeyRotation(T=T, plan=list(plan), energy=kept / total if total > 0 else 1.0)
+    return KeyRotation(T=T, plan=list(plan), energy=kept / total if total > 0 else 1.0, Tq=Tq)
 

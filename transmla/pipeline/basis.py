@@ -16,7 +16,7 @@ def basis_step(w: AttentionWeights, m: LayerMoments, spec: GQASpec, rot: KeyRota
         return joint_basis(wk_nope, w.wv, None, rank, 1.0, "weights")
     mk = mv = None
     if attention_aware and wk_nope.shape[0] > 0:
-        mk, mv = attention_metrics(w, rot.T, rot.rope_dim, m.xx, m.mean, spec.h, spec.g, spec.d)
+        mk, mv = attention_metrics(w, rot.query_T, rot.rope_dim, m.xx, m.mean, spec.h, spec.g, spec.d)
     alpha = 1.0
     if balance_kv and wk_nope.shape[0] > 0:
         alpha = bkv_alpha(wk_nope if mk is None else mk @ wk_nope, w.wv if mv is None else mv @ w.wv, m.xx)

@@ -8,7 +8,7 @@ from transmla.adapters import AttentionWeights, GQASpec
 from transmla.method.bkv import JointBasis
 from transmla.method.calibration import LayerMoments
 from transmla.method.mla import MLALayer, build_mla_layer, head_value_bias
-from transmla.method.refit import RefitMoments, refit_values
+from transmla.method.refit import RefitMoments, refit_output
 from transmla.method.rorope import KeyRotation
 
 
@@ -23,11 +23,11 @@ def value_bias(w: AttentionWeights, spec: GQASpec):
     return head_value_bias(w.bv, spec.h, spec.g, spec.d)
 
 
-def refit_step(layer: MLALayer, m: RefitMoments, spec: GQASpec, damp: float) -> tuple[MLALayer, dict]:
-    """The layer with kv_b_proj's value rows W_UV refit by least squares (method.refit), and the fit's diagnostics."""
+def refit_step(layer: MLALayer, blocks: list[RefitMoments], spec: GQASpec, damp: float) -> tuple[MLALayer, dict]:
+    """The layer with o_proj and kv_b_proj's value rows W_UV refit jointly by least squares (method.refit),
+    and the fit's diagnostics."""
     h, d = spec.h, spec.d
     kv_b = layer.kv_b_proj.view(h, 2 * d, -1).clone()
-    before = m.residual(kv_b[:, d:])
-    w_uv, diag = refit_values(m, damp)
+    o_proj, w_uv, diag = refit_output(blocks, layer.o_proj, kv_b[:, d:], damp)
     kv_b[:, d:] = w_uv
-    return replace(layer, kv_b_proj=kv_b.reshape(2 * h * d, -1)), {"refit_residual_before": before, **diag}
+    return replace(layer, kv_b_proj=kv_b.reshape(2 * h * d, -1), o_proj=o_proj), diag

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from transmla.errors import TransMLAError
 from transmla.method.calibration import LayerMoments
 from transmla.method.mla import MLALayer
-from transmla.method.refit import RefitMoments
+from transmla.method.refit import RefitMoments, head_blocks
 from transmla.runtime.memory import trim_heap
 
 
@@ -175,16 +175,22 @@ class LayerStream:
         return LayerMoments(xx / self.n, xs / self.n)
 
     @torch.no_grad()
-    def refit_moments(self, layer: int, mla: MLALayer, s: MLAShapes, value_bias: torch.Tensor | None) -> RefitMoments:
-        """Per-head second moments of z = sum_t p_t c_t (the converted layer's attention-weighted latent) and
-        cross moments with y, the original layer's per-head attention output (value bias removed), on the
-        stream's inputs. [h, r, r], [h, d, r]"""
+    def refit_moments(self, layer: int, mla: MLALayer, s: MLAShapes, value_bias: torch.Tensor | None,
+                      max_dim: int) -> list[RefitMoments]:
+        """Second moments of Z (the converted layer's attention-weighted latents z_i = sum_t p_t c_t, heads
+        stacked) and cross moments with Y (the original layer's attention output before its bias, value bias
+        removed), on the stream's inputs, per block of heads (method.refit.head_blocks)."""
         self._check(layer)
         dec = self.layers[layer]
         w = {k: v.to(self.h[0].dtype).to(self.device) for k, v in mla.to_tensors().items()}
-        zz = torch.zeros(s.h, s.r, s.r, dtype=torch.float64)
-        yz = torch.zeros(s.h, s.d, s.r, dtype=torch.float64)
-        yy = torch.zeros(s.h, dtype=torch.float64)
+        wo = dec.self_attn.o_proj.weight.detach().to(self.h[0].dtype).view(-1, s.h, s.d)  # [D, h, d]
+        blocks = head_blocks(s.h, s.r, max_dim)
+        D = wo.shape[0]
+        # Y_j = W_O,H y_H is never formed per batch: E[y_H Z^T] and E[y_H y_H^T] (|H| d wide, not D) are
+        # mapped through W_O,H once at the end, which saves the [tokens, D] projection of every batch.
+        zz = [torch.zeros(len(b) * s.r, len(b) * s.r, dtype=torch.float64) for b in blocks]
+        yzh = [torch.zeros(len(b) * s.d, len(b) * s.r, dtype=torch.float64) for b in blocks]
+        yyh = [torch.zeros(len(b) * s.d, len(b) * s.d, dtype=torch.float64) for b in blocks]
         captured = []
         keep = s.h * s.r <= 2 * self.h[0].shape[-1]  # z no larger than 2 hidden states: keep it for advance()
         # allocated before any batch's temporaries, so kept latents do not pin the heap between them
@@ -205,21 +211,29 @@ class LayerStream:
                 except _Stop:
                     pass
                 B, T, _ = x.shape
-                y = captured[0].view(B, T, s.h, s.d).transpose(1, 2)  # [B, h, T, d]
+                y = captured[0].view(B * T, s.h, s.d)
                 if value_bias is not None:
-                    y = y - value_bias.view(1, s.h, 1, s.d).to(y)
+                    y = y - value_bias.view(1, s.h, s.d).to(y)
                 cos, sin = kw["position_embeddings"]
-                z = attention_latents(x, w, s, cos, sin)
-                zz += torch.einsum("bhtr,bhts->hrs", z, z).cpu().double()
-                yz += torch.einsum("bhtd,bhtr->hdr", y, z).cpu().double()
-                yy += y.pow(2).sum((0, 2, 3)).cpu().double()
+                z = attention_latents(x, w, s, cos, sin)  # [B, h, T, r]
+                Z = z.permute(0, 2, 1, 3).reshape(B * T, s.h * s.r)
+                for j, heads in enumerate(blocks):
+                    Zj = Z[:, heads.start * s.r : heads.stop * s.r]
+                    yj = y[:, heads.start : heads.stop].reshape(B * T, -1)
+                    zz[j] += (Zj.T @ Zj).cpu().double()
+                    yzh[j] += (yj.T @ Zj).cpu().double()
+                    yyh[j] += (yj.T @ yj).cpu().double()
                 if keep:
                     zs[b].copy_(z)
         finally:
             hook.remove()
         self._z = (layer, _scores(w, s), zs) if keep else None
         trim_heap()
-        return RefitMoments(zz / self.n, yz / self.n, yy / self.n)
+        out = []
+        for hb, a, c, e in zip(blocks, zz, yzh, yyh):
+            W = wo[:, hb.start : hb.stop].reshape(D, -1).double().cpu()  # W_O,H [D, |H| d]
+            out.append(RefitMoments(hb, a / self.n, W @ c / self.n, float(((W @ e) * W).sum()) / self.n))
+        return out
 
     @torch.no_grad()
     def advance(self, layer: int, mla: MLALayer | None, s: MLAShapes | None = None) -> None:
@@ -231,7 +245,7 @@ class LayerStream:
             w = {k: v.to(self.h[0].dtype).to(self.device) for k, v in mla.to_tensors().items()}
             z = self._z
             if z is not None and z[0] == layer and all(torch.equal(a, b) for a, b in zip(z[1], _scores(w, s))):
-                # the refit changed W_UV only: the attention-weighted latents of refit_moments still hold
+                # the refit changed W_UV and o_proj only: the attention-weighted latents of refit_moments still hold
                 dec.self_attn = _Attention(lambda x, pe: _output(z[2][b], w, s))  # b: the batch below
             else:
                 dec.self_attn = _Attention(lambda x, pe: mla_attention(x, w, s, *pe))
