@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from transmla.errors import TransMLAError
-from transmla.method.linalg import eigh_desc
+from transmla.method.linalg import eigh_desc, psd_pow
 
 
 @dataclass
@@ -77,12 +77,6 @@ def bkv_alpha(wk_nope: torch.Tensor, wv: torch.Tensor, xx: torch.Tensor) -> floa
     return (max(k2, 0.0) / v2) ** 0.5 if k2 > 0 else 1.0
 
 
-def _psd_sqrt(S: torch.Tensor, rel_floor: float = 1e-6) -> torch.Tensor:
-    vals, vecs = torch.linalg.eigh(0.5 * (S + S.T))
-    vals = vals.clamp_min(rel_floor * vals.max().clamp_min(1e-30))
-    return (vecs * vals.sqrt()) @ vecs.T
-
-
 def attention_metrics(w, Tq: torch.Tensor, rope_dim: int, xx, mu, h: int, g: int, d: int):
     """Metrics that make the joint PCA minimise what attention actually sees (our extension).
 
@@ -104,7 +98,7 @@ def attention_metrics(w, Tq: torch.Tensor, rope_dim: int, xx, mu, h: int, g: int
         Q += B @ affine_second_moment(w.wq[i * d : (i + 1) * d], bq, xx, mu) @ B.T
         Wo = w.wo[:, i * d : (i + 1) * d]
         O[blk, blk] += Wo.T @ Wo
-    return _psd_sqrt(Q), _psd_sqrt(O)
+    return psd_pow(Q, 0.5, 1e-6), psd_pow(O, 0.5, 1e-6)
 
 
 def joint_basis(

@@ -28,3 +28,10 @@ def eigh_desc(S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     vals, vecs = torch.linalg.eigh(S)
     order = torch.argsort(vals, descending=True)
     return vals[order], vecs[:, order]
+
+
+def psd_pow(S: torch.Tensor, p: float, rel_floor: float = 1e-10) -> torch.Tensor:
+    """S^p of a symmetric PSD matrix, eigenvalues floored at rel_floor * the largest (p < 0 stays finite)."""
+    vals, vecs = torch.linalg.eigh(0.5 * (S + S.T))
+    vals = vals.clamp_min(rel_floor * vals.max().clamp_min(1e-300))
+    return (vecs * vals.pow(p)) @ vecs.T

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from transmla.method.linalg import psd_pow
+
 
 def head_blocks(h: int, r: int, max_dim: int) -> list[range]:
     """Consecutive heads fitted jointly: as many as fit in max_dim latent coordinates (at least one)."""
@@ -71,12 +73,6 @@ def solve_block(m: RefitMoments, damp: float, prior: torch.Tensor | None = None)
     return step if prior is None else prior + step
 
 
-def _psd_sqrt_pair(S: torch.Tensor, rel_floor: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
-    vals, vecs = torch.linalg.eigh(0.5 * (S + S.T))
-    vals = vals.clamp_min(rel_floor * vals.max().clamp_min(1e-300))
-    return (vecs * vals.sqrt()) @ vecs.T, (vecs * vals.rsqrt()) @ vecs.T
-
-
 def factor_head(mi: torch.Tensor, zz_i: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     """o_proj_i [D, d], W_UV_i [d, r] with o_proj_i W_UV_i = M_i [D, r] (r <= d: exact), else its rank-d
     truncation in the metric of the head's latents (zz_i = E[z_i z_i^T]): the one that loses least on them."""
@@ -87,7 +83,7 @@ def factor_head(mi: torch.Tensor, zz_i: torch.Tensor, d: int) -> tuple[torch.Ten
         U, S, Vh = torch.linalg.svd(mi, full_matrices=False)  # U [D, r]
         o[:, :r], w[:r] = U, S[:, None] * Vh
         return o, w
-    half, inv_half = _psd_sqrt_pair(zz_i)
+    half, inv_half = psd_pow(zz_i, 0.5), psd_pow(zz_i, -0.5)
     U, S, Vh = torch.linalg.svd(mi @ half, full_matrices=False)
     o[:], w[:] = U[:, :d], (S[:d, None] * Vh[:d]) @ inv_half
     return o, w

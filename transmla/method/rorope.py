@@ -21,7 +21,7 @@ import torch
 
 from transmla.config import FREQFOLDS
 from transmla.errors import TransMLAError
-from transmla.method.linalg import eigh_desc
+from transmla.method.linalg import eigh_desc, psd_pow
 
 
 @dataclass
@@ -74,12 +74,6 @@ def validate_freqfold(freqfold: int, d: int) -> None:
         )
 
 
-def _psd_pow(S: torch.Tensor, p: float, rel_floor: float = 1e-8) -> torch.Tensor:
-    vals, vecs = torch.linalg.eigh(0.5 * (S + S.T))
-    vals = vals.clamp_min(rel_floor * vals.max().clamp_min(1e-30))
-    return (vecs * vals.pow(p)) @ vecs.T
-
-
 def rorope(cov_k: torch.Tensor, g: int, d: int, plan: list[int], freqfold: int = 1,
            cov_q: torch.Tensor | None = None) -> KeyRotation:
     """RoRoPE (+FreqFold) rotation from the merged-key second moment cov_k = E[k k^T], [g*d, g*d].
@@ -108,7 +102,7 @@ def rorope(cov_k: torch.Tensor, g: int, d: int, plan: list[int], freqfold: int =
             A = B = U.T  # rows: key / query coordinates of each component
         else:
             Qf = cov_q[re][:, re] + cov_q[im][:, im]
-            Qh, Qih = _psd_pow(Qf, 0.5), _psd_pow(Qf, -0.5)
+            Qh, Qih = psd_pow(Qf, 0.5, 1e-8), psd_pow(Qf, -0.5, 1e-8)
             vals, U = eigh_desc(Qh @ Kf @ Qh)
             gamma = vals.clamp_min(1e-30 * vals[0].clamp_min(1e-30)).pow(-0.25)  # balance key/query variance
             A, B = gamma[:, None] * (U.T @ Qh), (U.T @ Qih) / gamma[:, None]
