@@ -62,7 +62,8 @@ def figures(profile: Profile, model: str, stats_file: str | None = None, out_dir
 
     # Fig. 4a: where the key energy sits before / after RoRoPE (+ FreqFold), one layer.
     plan = standard_plan(spec.d, f.fig4a_rope_dim)
-    rots = {label: rotation_of(layer_rotation(model_ref, stats, L, plan, "transmla", fold))
+    # The paper's Fig. 4a is RoRoPE's PCA of the keys themselves (key metric).
+    rots = {label: rotation_of(layer_rotation(model_ref, stats, L, plan, "transmla", fold, "key"))
             for label, fold in (("RoRoPE", 1), (f"RoRoPE + FreqFold {f.freqfold}", f.freqfold))}
     series, energy = key_norm_series(w.wk, w.bk, m.xx, m.mean, rots)
     fig4a = {"layer": L, "rope_dim": f.fig4a_rope_dim, "series": series, "energy": energy}

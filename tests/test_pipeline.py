@@ -169,12 +169,13 @@ def test_convert_cache_keys(tmp_path, tiny_dir, monkeypatch):
 
     first = run(prof)
     assert count.take() == {"stats": 1, "rotation": 2, "basis": 2}  # 2 layers
-    assert (first["transmla"]["qk_rope_head_dim"], first["transmla"]["kv_lora_rank"]) == (4, 12)
+    # 0.25 of 64 values: B = 16, R = min(d/2, B/2) = 8, r = 8.
+    assert (first["transmla"]["qk_rope_head_dim"], first["transmla"]["kv_lora_rank"]) == (8, 8)
     again = run(prof)
     assert count.take() == {}  # everything cached
     assert again["sha256"] == first["sha256"]  # and the export is byte-identical
-    # Another rank at the same RoPE dim (0.3125 of 64 values: R=4, r=16): only the BKV bases.
-    assert run(prof, budget=0.3125)["transmla"]["kv_lora_rank"] == 16
+    # Another rank at the same RoPE dim (0.3125 of 64 values: R=8, r=12): only the BKV bases.
+    assert run(prof, budget=0.3125)["transmla"]["kv_lora_rank"] == 12
     assert count.take() == {"basis": 2}
     # FreqFold changes the rotations, hence the bases; the statistics stay.
     ff2 = load_profile(write_profile(tmp_path, tiny_dir), {"methods.transmla.freqfold": 2})

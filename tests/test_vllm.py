@@ -27,9 +27,10 @@ CAL = dict(cal_nsamples=8, cal_seqlen=64, cal_batch_size=4)
 def tiny_exports(tiny_model_dir, tmp_path_factory):
     """Tiny Llama / Qwen2 (biases: q carrier through q_a/q_b) converted at R=4, r=12; plus low-rank Q."""
     root = tmp_path_factory.mktemp("vllm-pad")
-    convert(str(tiny_model_dir), root / "mla", ConvertOptions(kv_cache_ratio=0.25, **CAL), progress=False)
-    convert(str(tiny_model_dir), root / "mla-q", ConvertOptions(kv_cache_ratio=0.25, q_lora_rank=12, **CAL),
-            progress=False)
+    # Shapes pinned (not a ratio) so that padding to r16-R8 grows both the latent and the RoPE head.
+    shapes = dict(qk_rope_dim=4, kv_lora_rank=12)
+    convert(str(tiny_model_dir), root / "mla", ConvertOptions(**shapes, **CAL), progress=False)
+    convert(str(tiny_model_dir), root / "mla-q", ConvertOptions(**shapes, q_lora_rank=12, **CAL), progress=False)
     _, tok = load_model(str(tiny_model_dir))
     text = "\n\n".join(load_texts("wikitext2-test")[1:30])
     return root, tok(text, return_tensors="pt").input_ids[:, :160]
