@@ -1,7 +1,8 @@
 """Flow: recovery fine-tune of one converted model -> a stock DeepseekV3 checkpoint, loss curves.
 
-    converted checkpoint + corpora -> finetune (Trainer; resumes a killed run) -> fine-tuned checkpoint
-                                                                                -> loss curves (DVC plots, MLflow)
+    converted checkpoint + corpora (+ the original model: the teacher of the kd objectives)
+        -> finetune (Trainer; resumes a killed run) -> fine-tuned checkpoint
+                                                    -> loss curves (DVC plots, MLflow)
 
     python -m flows.finetune --model smollm2-135m --method transmla --budget 0.125 [--checkpoint DIR] [--out DIR]
 
@@ -17,7 +18,7 @@ from prefect import flow
 from tasks import tracking
 from tasks.artifacts import publish
 from tasks.finetune import curves_csv, finetune_checkpoint, loss_curves
-from tasks.model import checkpoint_ref, dataset_ref
+from tasks.model import checkpoint_ref, dataset_ref, resolve_model
 from transmla.io.paths import write_text_atomic
 
 from . import _cli, layout
@@ -29,7 +30,9 @@ def finetune(profile: Profile, model: str, method: str, budget: float, checkpoin
              out: str | None = None) -> dict:
     ft = profile.finetune
     src = checkpoint_ref(checkpoint or layout.checkpoint_dir(model, method, budget), "convert")
-    ref = finetune_checkpoint(src, [dataset_ref(c) for c in ft.corpora], ft.config(profile.device), ft.max_documents)
+    teacher = resolve_model(profile.model(model).source) if ft.objective != "lm" else None  # the original model
+    ref = finetune_checkpoint(src, [dataset_ref(c) for c in ft.corpora], ft.config(profile.device), ft.max_documents,
+                              teacher)
     dest = publish(ref, out or layout.finetuned_dir(model, method, budget))
     record = json.loads((dest / "transmla_finetune.json").read_text())
     curves = loss_curves(record["log_history"])
@@ -42,8 +45,9 @@ def finetune(profile: Profile, model: str, method: str, budget: float, checkpoin
                    config={**ft.config(profile.device), "corpora": list(ft.corpora)},
                    params={"model": model, "finetune": ft.config(profile.device), "corpora": ",".join(ft.corpora)},
                    metrics={"train_loss_mean": record["train_loss"],  # "train_loss" is the per-step curve
-                            **{k: record[k] for k in ("val_loss_before", "val_loss_after", "tokens_trained",
-                                                      "tokens_per_second", "seconds_this_run")}},
+                            **{k: record[k] for k in ("val_loss_before", "val_loss_after", "val_kd_before",
+                                                      "val_kd_after", "tokens_trained", "tokens_per_second",
+                                                      "seconds_this_run") if record.get(k) is not None}},
                    history=curves, artifacts={"finetune.json": summary})
     return ref
 

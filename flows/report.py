@@ -53,14 +53,18 @@ def report(profile: Profile) -> str:
         "TransMLA + seq. refit = the same steps calibrated layer by layer on the converted model, in attention's "
         "metric, with each layer's W_UV and o_proj refit jointly by least squares to the original layer's output (this project); "
         "MHA2MLA = 2-norm RoPE selection + joint SVD of the weights.",
-        "Tokens = fine-tuning tokens after conversion (0: conversion only; the paper's rows use 300M-6B).",
+        "Tokens = fine-tuning tokens after conversion and the objective in brackets (lm: next-token cross-entropy; "
+        "kd: distillation from the original model; 0: conversion only; the paper's rows use 300M-6B tokens of lm).",
     ]
     ft = profile.finetune
     if ft.budgets:
+        kd = "" if ft.objective == "lm" else (
+            f" (KL to the original model at temperature {ft.kd_temperature:g}, teacher in {ft.teacher_dtype}"
+            + (f", + {ft.kd_weight:g} x lm" if ft.objective == "kd+lm" else "") + ")")
         notes.append(
             f"Fine-tune ({ft.mode}, transformers Trainer): {', '.join(ft.corpora)} packed into {ft.seqlen}-token "
             f"blocks, batch {ft.batch_size} x {ft.grad_accum}, lr {ft.lr:g} {ft.schedule} (warmup {ft.warmup_ratio:g}), "
-            f"{ft.dtype}; loss curves in reports/plots/."
+            f"{ft.dtype}, objective {ft.objective}{kd}; validation split by document; loss curves in reports/plots/."
             + (" WikiText-2 train is one of the corpora, so part of the perplexity gain is in-domain adaptation, "
                "not only recovery." if "wikitext2-train" in ft.corpora else ""))
     figs = {}

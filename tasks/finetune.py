@@ -21,26 +21,35 @@ from .model import data_dir_of
 
 
 @cached_task("finetune")
-def finetune_checkpoint(model: dict, corpora: list[dict], config: dict, max_documents: int | None = None) -> dict:
+def finetune_checkpoint(model: dict, corpora: list[dict], config: dict, max_documents: int | None = None,
+                        teacher: dict | None = None) -> dict:
     """Fine-tune a converted (stock DeepseekV3) model dir -> ref to the fine-tuned model dir.
 
+    teacher: ref of the original model (the kd objectives distil from it; its content hash is in the key).
     The ref carries the run summary (tokens, losses before/after, tokens/s); the directory holds
     transmla_finetune.json with the full Trainer log history (loss curves).
     """
     d = task_dir()
     cfg = FinetuneConfig(**config)
     m, tok = load_model(model["path"], dtype="float32", device=cfg.device)  # fp32 master weights; bf16 = autocast
+    t = load_model(teacher["path"], dtype=cfg.teacher_dtype, device=cfg.device)[0] if teacher else None
     docs = {c["name"]: load_documents(c["name"], data_dir_override=data_dir_of(c), max_documents=max_documents)
             for c in corpora}
-    record = finetune_on_corpora(m, tok, docs, cfg, d / "trainer", d / "model")
+    record = finetune_on_corpora(m, tok, docs, cfg, d / "trainer", d / "model", teacher=t)
     summary = {k: v for k, v in record.items() if k not in ("log_history", "config", "data")}
     return model_ref(d / "model", content_hash(d / "model"), finetune=summary)
 
 
+CURVES = {"train_loss": "loss", "train_lm": "lm_loss", "train_kd": "kd_loss", "val_loss": "eval_loss",
+          "val_kd": "eval_kd", "learning_rate": "learning_rate"}
+
+
 def loss_curves(log_history: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """Trainer log history -> {"train_loss": [(step, loss)], "val_loss": [...], "learning_rate": [...]}."""
-    keys = {"train_loss": "loss", "val_loss": "eval_loss", "learning_rate": "learning_rate"}
-    return {name: [(h["step"], h[k]) for h in log_history if k in h] for name, k in keys.items()}
+    """Trainer log history -> {"train_loss": [(step, loss)], "train_lm", "train_kd" (the objective's parts),
+    "val_loss" (cross-entropy), "val_kd" (KL to the teacher), "learning_rate"}; curves never logged are left out
+    (an lm run has no KD curves)."""
+    curves = {name: [(h["step"], h[k]) for h in log_history if k in h] for name, k in CURVES.items()}
+    return {k: v for k, v in curves.items() if v or k in ("train_loss", "val_loss", "learning_rate")}
 
 
 def curves_csv(curves: dict[str, list[tuple[int, float]]]) -> str:

@@ -18,9 +18,12 @@ METHOD_NAMES = {"original": "Original", "mha2mla": "MHA2MLA", "transmla": "Trans
 def table_row(model: str, method: str, budget: float | None, ppl: dict, bench: dict, conversion: dict | None,
               limit: int | None) -> dict:
     """One Table-1 row (reports/metrics/<model>/<variant>.json) from an evaluation's results."""
-    tokens = ((conversion or {}).get("finetune") or {}).get("tokens_trained", 0)
+    ft = (conversion or {}).get("finetune") or {}
+    tokens = ft.get("tokens_trained", 0)
     return {
         "model": model, "method": method, "budget": budget, "finetuned": tokens > 0,
+        # runs from before the kd objectives were plain next-token training
+        "objective": (ft.get("objective") or "lm") if tokens else None,
         "kv_cache_ratio": 1.0 if conversion is None else conversion["kv_cache_ratio"],
         "qk_rope_head_dim": None if conversion is None else conversion["qk_rope_head_dim"],
         "kv_lora_rank": None if conversion is None else conversion["kv_lora_rank"],
@@ -50,7 +53,8 @@ def _row(r: dict) -> str:
     cells = [r["model"], METHOD_NAMES.get(r["method"], r["method"]), kv, shape, _pct(r["average"])]
     for _, key in COLUMNS:
         cells.append(_pct(r["arc_mean"] if key == "arc_mean" else r["benchmarks"].get(key)))
-    cells += [f"{r['tokens_trained']:,}" if r["tokens_trained"] else "0", f"{r['ppl']:.2f}"]
+    tokens = f"{r['tokens_trained']:,} ({r.get('objective') or 'lm'})" if r["tokens_trained"] else "0"
+    cells += [tokens, f"{r['ppl']:.2f}"]
     return "| " + " | ".join(cells) + " |"
 
 

@@ -1,6 +1,7 @@
 """Recovery fine-tune on tiny converted models: the latent-norm (un)folding is exact, a few Trainer
 steps lower the held-out loss, the saved checkpoint is stock DeepseekV3 again, an interrupted run
-resumes from its last checkpoint and ends where an uninterrupted one does."""
+resumes from its last checkpoint and ends where an uninterrupted one does; the same for distillation
+from the original model (kd), whose loss is zero when the conversion is lossless."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from transmla.convert import ConvertOptions, convert
 from transmla.io.data import load_documents
 from transmla.method.diagnostics import latent_norm_identity_error
 from transmla.errors import TransMLAError
+from transmla.runtime.serving import load_checkpoint, pad_for_vllm, use_recorded_latent_norm_eps
+from transmla.io.export import instantiate
 from transmla.training.finetune import (FinetuneConfig, UnfoldedNorm, fold_latent_norms, finetune, mean_loss, pack_corpus,
-                               save_finetuned, unfold_latent_norms)
+                                        save_finetuned, unfold_latent_norms)
 from transmla.io.sources import load_model
 
 
@@ -46,20 +49,52 @@ def _logprobs(model, ids):
         return torch.log_softmax(model(ids, use_cache=False).logits.double(), -1)
 
 
-def test_pack_corpus_is_seeded_and_disjoint(converted):
+def _docs_of(rows: torch.Tensor, docs: list[list[int]], eos: int) -> set[int]:
+    """Indices of the documents whose text the blocks hold (each EOS-free piece of >= 12 tokens located)."""
+    keys = ["," + ",".join(map(str, d)) + "," for d in docs]
+    found = set()
+    for r in rows.tolist():
+        piece: list[int] = []
+        for t in r + [eos]:
+            if t != eos:
+                piece.append(t)
+                continue
+            if len(piece) >= 12:
+                k = "," + ",".join(map(str, piece)) + ","
+                found |= {i for i, d in enumerate(keys) if k in d}
+            piece = []
+    return found
+
+
+def test_pack_corpus_is_seeded_and_split_by_document(converted):
     _, tok = load_model(str(converted))
     corpora = {n: load_documents(n)[:20] for n in ("c4-demo", "wiki-demo")}
     tr1, va1, info = pack_corpus(tok, corpora, seqlen=32, val_tokens=256, seed=1)
     tr2, va2, _ = pack_corpus(tok, corpora, seqlen=32, val_tokens=256, seed=1)
-    tr3, _, _ = pack_corpus(tok, corpora, seqlen=32, val_tokens=256, seed=2)
-    assert torch.equal(tr1, tr2) and torch.equal(va1, va2) and not torch.equal(tr1, tr3)
+    tr3, va3, _ = pack_corpus(tok, corpora, seqlen=32, val_tokens=256, seed=2)
+    assert torch.equal(tr1, tr2) and torch.equal(va1, va2) and not torch.equal(va1, va3)
     assert va1.shape == (8, 32) and tr1.shape[1] == 32
     assert len(tr1) + len(va1) == sum(c["blocks"] for c in info["corpora"].values())
-    # the held-out blocks are not training blocks
-    train_rows = {tuple(r.tolist()) for r in tr1}
-    assert not any(tuple(r.tolist()) in train_rows for r in va1)
+    assert all(c["val_blocks"] > 0 for c in info["corpora"].values())  # every corpus is represented
+    # Held out by document: no document has text in both splits (split by block, the validation blocks'
+    # neighbours from the same article were training blocks).
+    docs = [tok(d, add_special_tokens=False)["input_ids"] for ds in corpora.values() for d in ds if d.strip()]
+    held, trained = _docs_of(va1, docs, tok.eos_token_id), _docs_of(tr1, docs, tok.eos_token_id)
+    assert held and trained and not held & trained
     with pytest.raises(TransMLAError, match="val_tokens"):
         pack_corpus(tok, corpora, seqlen=32, val_tokens=10**7, seed=1)
+
+
+def test_pack_corpus_holds_out_a_contiguous_span_of_a_running_text(converted):
+    _, tok = load_model(str(converted))
+    text = load_documents("wikitext2-test")  # one document: the rows joined into a running text
+    assert len(text) == 1
+    tr, va, info = pack_corpus(tok, {"wikitext2-test": [text[0][:60_000]]}, seqlen=32, val_tokens=320, seed=3)
+    ids = tok(text[0][:60_000], add_special_tokens=False)["input_ids"]
+    flat = va.reshape(-1).tolist()
+    start = next(i for i in range(len(ids)) if ids[i : i + len(flat)] == flat)  # one span of the text, in order
+    assert start % 32 == 0 and len(va) == 10
+    assert len(tr) == (start // 32) + (len(ids) - start - 320) // 32  # the rest, before and after, never across it
 
 
 def test_unfold_and_fold_keep_the_function(converted, blocks):
@@ -158,3 +193,147 @@ def test_bad_config_and_unconverted_model(tiny_model_dir, blocks, tmp_path):
     with pytest.raises(TransMLAError, match="convert the model first"):
         finetune(original, blocks[0], blocks[1], _cfg(), str(tmp_path))
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+# ---------------------------------------------------------------- distillation from the original model
+
+def _teacher(tiny_model_dir):
+    t, _ = load_model(str(tiny_model_dir))
+    return t
+
+
+def test_kd_is_zero_for_a_lossless_conversion_and_never_trains_the_teacher(tiny_model_dir, blocks, tmp_path):
+    """Student == teacher (lossless export): the validation KL is ~0; a KD step leaves the teacher untouched."""
+    lossless = tmp_path / "lossless"
+    convert(str(tiny_model_dir), lossless, ConvertOptions(lossless=True, cal_nsamples=8, cal_seqlen=64, cal_batch_size=4),
+            progress=False)
+    model, _ = load_model(str(lossless))
+    teacher = _teacher(tiny_model_dir)
+    before = {k: v.clone() for k, v in teacher.state_dict().items()}
+    record = finetune(model, blocks[0], blocks[1], _cfg(objective="kd", max_tokens=2 * 4 * 64, eval_every=2, lr=1e-5),
+                      str(tmp_path / "work"), teacher=teacher)
+    assert record["val_kd_before"] < 1e-6
+    assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
+    assert all(p.grad is None for p in teacher.parameters())
+    assert [h["kd_loss"] for h in record["log_history"] if "kd_loss" in h]  # the KD curve is logged
+
+
+KD = dict(objective="kd", kd_temperature=2.0, lr=3e-4)
+
+
+@pytest.fixture(scope="module")
+def sharp(tiny_model_dir, tmp_path_factory):
+    """The tiny model with its output head scaled up 30x: a random model's next-token distribution is
+    nearly uniform (KL of any conversion ~1e-3, below Adam's step noise); a peaked one has a KL to recover."""
+    model, tok = load_model(str(tiny_model_dir))
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 30)
+    out = tmp_path_factory.mktemp("sharp")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cut(sharp, tmp_path_factory):
+    """The sharp tiny model at an 87.5% KV cut."""
+    out = tmp_path_factory.mktemp("kd-src") / "mla"
+    convert(str(sharp), out, ConvertOptions(kv_cache_ratio=0.125, cal_nsamples=8, cal_seqlen=64, cal_batch_size=4),
+            progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def kd_trained(cut, blocks, sharp, tmp_path_factory):
+    model, tok = load_model(str(cut))
+    work = tmp_path_factory.mktemp("kd-work")
+    record = finetune(model, blocks[0], blocks[1], _cfg(**KD), str(work), teacher=_teacher(sharp))
+    return model, tok, record
+
+
+def test_kd_lowers_the_validation_kl(kd_trained, blocks):
+    model, _, record = kd_trained
+    assert record["objective"] == "kd" and record["steps"] == 16
+    assert record["val_kd_after"] < 0.9 * record["val_kd_before"]
+    parts = [h for h in record["log_history"] if "loss" in h]
+    assert all("lm_loss" in h and "kd_loss" in h for h in parts)
+    # eval_loss is the next-token cross-entropy for every objective (what the folded model scores)
+    assert abs(mean_loss(model, blocks[1]) - record["val_loss_after"]) < 1e-3
+
+
+def test_kd_checkpoint_is_stock_deepseek(kd_trained, blocks, tmp_path):
+    model, tok, record = kd_trained
+    out = save_finetuned(model, tok, tmp_path / "ft", record)
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded).__name__ == "DeepseekV3ForCausalLM"
+    x = blocks[1][:2]
+    assert (_logprobs(loaded, x) - _logprobs(model, x)).abs().max() < 1e-5
+    assert latent_norm_identity_error(loaded, x) < 1e-5
+    assert json.loads((out / "config.json").read_text())["transmla"]["finetune"]["objective"] == "kd"
+
+
+def test_kd_run_resumes_from_last_checkpoint(cut, blocks, kd_trained, sharp, tmp_path):
+    cfg = _cfg(**KD)
+    model, _ = load_model(str(cut))
+    with pytest.raises(KeyboardInterrupt):
+        finetune(model, blocks[0], blocks[1], cfg, str(tmp_path), callbacks=[_Interrupt(8)], teacher=_teacher(sharp))
+    model, _ = load_model(str(cut))
+    record = finetune(model, blocks[0], blocks[1], cfg, str(tmp_path), teacher=_teacher(sharp))
+    assert record["resumed_from"].endswith("checkpoint-8") and record["steps_this_run"] == 8
+    ref_model, _, ref = kd_trained
+    assert record["val_kd_after"] == pytest.approx(ref["val_kd_after"], abs=1e-4)
+    assert record["train_loss"] == pytest.approx(ref["train_loss"], abs=1e-4)  # over all 16 steps, not 8
+    x = blocks[1][:2]
+    assert (_logprobs(model, x) - _logprobs(ref_model, x)).abs().max() < 1e-3
+
+
+def test_kd_objective_needs_the_teacher(converted, blocks, tmp_path):
+    model, _ = load_model(str(converted))
+    with pytest.raises(TransMLAError, match="teacher"):
+        finetune(model, blocks[0], blocks[1], _cfg(objective="kd"), str(tmp_path))
+    with pytest.raises(TransMLAError, match="objective"):
+        _cfg(objective="mse")
+
+
+# ---------------------------------------------------------------- review fixes
+
+def test_restart_after_the_last_step_keeps_the_training_loss(converted, blocks, tmp_path):
+    """A run that finished (its last checkpoint written) and is started again runs nothing and reports the
+    whole run's training loss, not 0.0."""
+    cfg = _cfg()
+    model, _ = load_model(str(converted))
+    first = finetune(model, blocks[0], blocks[1], cfg, str(tmp_path))
+    x = blocks[1][:2]
+    ref = _logprobs(model, x)
+    model, _ = load_model(str(converted))
+    again = finetune(model, blocks[0], blocks[1], cfg, str(tmp_path))
+    assert again["steps"] == first["steps"] == 16 and again["steps_this_run"] == 0
+    assert again["train_loss"] == pytest.approx(first["train_loss"]) and first["train_loss"] > 0
+    assert again["val_loss_after"] == pytest.approx(first["val_loss_after"], abs=1e-5)
+    assert (_logprobs(model, x) - ref).abs().max() < 1e-4  # the final weights, not one step more
+
+
+def test_unfold_uses_the_recorded_latent_norm_eps(converted, blocks, tmp_path):
+    """A vLLM-padded export (latent norms built for eps = rms_norm_eps, recorded in config.transmla) unfolds
+    to the same function: with transformers' fixed 1e-6 the latent would start sqrt(eps ratio) too large."""
+    config, sd, _, _ = load_checkpoint(converted)
+    cfg, psd = pad_for_vllm(config, sd, latent_norm_eps=1e-4)
+    model = instantiate(cfg, psd)
+    x = blocks[1][:2]
+    use_recorded_latent_norm_eps(model)
+    ref = _logprobs(model, x)
+    fresh = instantiate(cfg, psd)  # as from_pretrained gives it: eps 1e-6 in every latent norm
+    assert unfold_latent_norms(fresh) > 0
+    assert (_logprobs(fresh, x) - ref).abs().max() < 1e-4
+
+
+def test_real_latent_norms_are_kept(converted, blocks):
+    """A genuine DeepSeek checkpoint's kv_a_layernorm is a trained RMSNorm, not the identity: it stays."""
+    model, _ = load_model(str(converted))
+    real = model.model.layers[0].self_attn.kv_a_layernorm
+    with torch.no_grad():
+        real.weight.copy_(torch.linspace(0.5, 1.5, real.weight.numel()))
+    n = unfold_latent_norms(model)
+    assert model.model.layers[0].self_attn.kv_a_layernorm is real
+    assert isinstance(model.model.layers[1].self_attn.kv_a_layernorm, UnfoldedNorm)
+    assert n == model.config.num_hidden_layers * (2 if model.config.q_lora_rank else 1) - 1

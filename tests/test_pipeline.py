@@ -300,6 +300,46 @@ def test_finetune_stage_cache_and_reeval(tmp_path, tiny_dir, monkeypatch):
     assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6]  # one point per logged step, nothing else
 
 
+def test_finetune_stage_distils_from_the_original(tmp_path, tiny_dir, monkeypatch):
+    """objective: kd -> the teacher is the profile's original model (its ref in the cache key), the
+    validation KL and the KD curve reach the plots file, MLflow and Table 1's row ("(kd)")."""
+    import mlflow
+
+    from flows.convert import convert
+    from flows.evaluate import evaluate
+    from flows.finetune import finetune
+    from flows.params import load_profile
+
+    import torch
+
+    from transmla.io.sources import load_model
+
+    monkeypatch.chdir(tmp_path)
+    # A random model predicts nearly uniformly (KL ~1e-3, below Adam's noise): peak it (head x 30).
+    sharp, tok = load_model(str(tiny_dir))
+    sharp.config.tie_word_embeddings = False
+    sharp.lm_head.weight = torch.nn.Parameter(sharp.lm_head.weight.detach().clone() * 30)
+    sharp.save_pretrained(tmp_path / "sharp")
+    tok.save_pretrained(tmp_path / "sharp")
+    count = Counter(monkeypatch)
+    prof = load_profile(write_profile(tmp_path, tmp_path / "sharp", name="kdp"),
+                        {"finetune.objective": "kd", "finetune.lr": 3e-4, "finetune.kd_temperature": 2.0})
+    convert(prof, "kdp", "transmla", 0.25)
+    count.take()
+    ref = finetune(prof, "kdp", "transmla", 0.25)
+    assert count.take() == {"finetune": 1}
+    summary = ref["finetune"]
+    assert summary["objective"] == "kd" and summary["val_kd_after"] < summary["val_kd_before"]
+    curve = (tmp_path / "reports/plots/kdp/transmla-0.25-ft-loss.csv").read_text().splitlines()
+    assert curve[0] == "step,train_loss,train_lm,train_kd,val_loss,val_kd,learning_rate"
+    row = evaluate(prof, "kdp", "transmla", 0.25, finetuned=True)
+    assert row["objective"] == "kd" and row["tokens_trained"] == 6 * 4 * 64
+    runs = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.finetuned` = 'true'",
+                              output_format="list")
+    run = next(r for r in runs if r.data.tags["transmla.model"] == "kdp" and "train_kd" in r.data.metrics)
+    assert len(mlflow.tracking.MlflowClient().get_metric_history(run.info.run_id, "train_kd")) == 6
+
+
 def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
     """Original vs converted in one run: table, Fig. 6, KV capacity, MLflow curves; cached on re-run;
     the vLLM check records why it was skipped when its environment is absent."""

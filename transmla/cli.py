@@ -25,7 +25,21 @@ FINETUNE_HELP = {
     "val_tokens": "held-out tokens for the validation loss",
     "eval_every": "steps between validation losses and resumable checkpoints",
     "dtype": "bfloat16 = mixed precision",
+    "objective": "lm: next-token cross-entropy; kd: distil from --teacher (KL of its next-token distribution); kd+lm: both",
+    "kd_temperature": "softmax temperature of the KL (the loss is scaled by its square)",
+    "kd_weight": "weight of kd in kd+lm",
+    "teacher_dtype": "dtype of the teacher's forward (no gradients)",
+    "loss_chunk": "positions per output-head chunk of the loss (logits never held for the whole batch)",
+    "gradient_checkpointing": "recompute each decoder layer in backward (less memory, ~30%% more time)",
 }
+
+
+def _flag_bool(v: str) -> bool:
+    if str(v).lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(v).lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
 
 
 def _offline_defaults() -> None:
@@ -97,13 +111,19 @@ def cmd_finetune(args) -> dict:
     from transmla.io.sources import load_model
 
     cfg = FinetuneConfig(**{k: getattr(args, k) for k in FinetuneConfig.model_fields})
+    if cfg.objective != "lm" and not args.teacher:
+        raise TransMLAError(f"--objective {cfg.objective} distils from the original model.",
+                            "pass --teacher SOURCE (the model you converted), or use --objective lm.")
     out = new_output_dir(args.out)  # fail before hours of training, not after
     model, tok = load_model(args.model, dtype="float32", device=args.device, cache=args.cache_dir)
+    teacher = None
+    if cfg.objective != "lm":
+        teacher = load_model(args.teacher, dtype=cfg.teacher_dtype, device=args.device, cache=args.cache_dir)[0]
     names = [c.strip() for c in args.corpora.split(",") if c.strip()]
     docs = {n: load_documents(n, data_dir_override=args.data_dir) for n in names}
     work = Path(args.work_dir) if args.work_dir else out.with_name(f".{out.name}.trainer")
-    record = finetune_on_corpora(model, tok, docs, cfg, work, out)
-    keys = ("val_loss_before", "val_loss_after", "train_loss", "steps", "tokens_trained", "resumed_from",
+    record = finetune_on_corpora(model, tok, docs, cfg, work, out, teacher=teacher)
+    keys = ("objective", "val_loss_before", "val_loss_after", "val_kd_before", "val_kd_after", "train_loss", "steps", "tokens_trained", "resumed_from",
             "seconds_this_run", "tokens_per_second", "params")
     return {"out": str(out), **{k: record[k] for k in keys}}
 
@@ -189,8 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name, field in FinetuneConfig.model_fields.items():  # one flag per config field, same defaults
         choices = getattr(field.annotation, "__args__", None) if "Literal" in str(field.annotation) else None
         kind = type(field.default) if field.default is not None else str
+        kind = _flag_bool if kind is bool else kind
         t.add_argument("--" + name.replace("_", "-"), type=kind, default=field.default, choices=choices,
                        help=FINETUNE_HELP.get(name, "") + f" (default {field.default})")
+    t.add_argument("--teacher", default=None,
+                   help="the original model (any source `transmla convert` takes): the kd objectives distil from it")
     t.add_argument("--work-dir", default=None, help="Trainer checkpoints (default: .<out>.trainer beside --out)")
     t.set_defaults(func=cmd_finetune)
 

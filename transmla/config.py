@@ -235,6 +235,13 @@ class FinetuneConfig(Options):
     dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = mixed precision; float16 underflows the latent
     device: str = "cpu"
     seed: int = 0
+    # lm: next-token cross-entropy; kd: KL from the original model's next-token distribution; kd+lm: both
+    objective: Literal["lm", "kd", "kd+lm"] = "lm"
+    kd_temperature: float = Field(1.0, gt=0)  # softens both distributions; the loss is scaled by tau^2
+    kd_weight: float = Field(1.0, ge=0)  # kd+lm = kd_weight * kd + lm
+    teacher_dtype: Literal["float32", "bfloat16"] = "float32"  # the teacher's forward (no gradients)
+    loss_chunk: int = Field(1024, ge=1)  # positions per output-head chunk: logits never held for the whole batch
+    gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
 
     @property
     def tokens_per_step(self) -> int:

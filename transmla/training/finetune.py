@@ -17,6 +17,13 @@ identity holds to NORM_TOL again (measured by diagnostics.latent_norm_identity_e
 
 Modes: "full" trains every weight; "attention" trains only the MLA projections (q_proj or
 q_a_proj/q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj).
+
+Objectives (training.distill): "lm" next-token cross-entropy; "kd" KL divergence from the original
+model's next-token distribution (the teacher: the GQA model the conversion started from, run without
+gradients on the same packed blocks); "kd+lm" both. The losses are computed from the final hidden
+states in chunks of positions, so no [batch, tokens, vocab] logits are ever held. The validation
+loss (eval_loss) is the next-token cross-entropy for every objective, so runs compare; with a
+teacher the validation KL (eval_kd) is logged too.
 """
 
 from __future__ import annotations
@@ -24,54 +31,89 @@ from __future__ import annotations
 import math
 import random
 import time
+from pathlib import Path
 
 import torch
 
 from transmla.config import FinetuneConfig
 from transmla.errors import TransMLAError
-from transmla.runtime.fast_attention import use_causal_padded_sdpa
 from transmla.method.mla import norm_identity_scale
+from transmla.runtime.fast_attention import use_causal_padded_sdpa
+from transmla.runtime.serving import use_recorded_latent_norm_eps
+from transmla.training.distill import recovery_loss
 
 SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine"}
 ATTENTION_PARAMS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+# A latent norm is the export's identity construction when its weight is one constant s*sqrt(eps) with
+# s this large (exports: ~1e6-1e8); a trained norm (a genuine DeepSeek checkpoint) varies per row, and
+# a freshly initialised one (weight 1, eps 1e-6) has s = 1e3. Those are real norms: trained as they are.
+IDENTITY_MIN_SCALE = 1e4
 
 
 # ---------------------------------------------------------------- data
 
 def pack_corpus(tokenizer, corpora: dict[str, list[str]], seqlen: int, val_tokens: int, seed: int,
                 max_train_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Tokenize documents, join them with EOS, cut fixed-length blocks; seeded held-out split.
+    """Tokenize documents, join them with EOS, cut fixed-length blocks; a seeded held-out split by document.
 
-    corpora: name -> documents. Blocks never mix corpora (each is packed on its own), are shuffled
-    with `seed`, and the first ceil(val_tokens / seqlen) blocks are the validation split.
-    Returns (train [n, seqlen], val [m, seqlen], info) as int64 tensors.
+    corpora: name -> documents. Each corpus gives the validation split its share of `val_tokens`
+    (proportional to its tokens) in whole documents, chosen in a seeded order, so no validation block
+    shares an article with a training block. A corpus that is one running text (WikiText) holds out one
+    contiguous span at a seeded place instead. Blocks never mix corpora or cross the split; training
+    blocks are shuffled with `seed`. Returns (train [n, seqlen], val [m, seqlen], info) as int64 tensors.
     """
     eos = tokenizer.eos_token_id
     if eos is None:
         raise TransMLAError("The tokenizer has no EOS token to separate documents.", "set tokenizer.eos_token.")
-    blocks, info = [], {"corpora": {}}
-    for name, docs in corpora.items():
-        ids: list[int] = []
-        for doc in docs:
-            if doc.strip():
-                ids += tokenizer(doc, add_special_tokens=False)["input_ids"] + [eos]
-        n = len(ids) // seqlen
-        info["corpora"][name] = {"documents": len(docs), "tokens": len(ids), "blocks": n}
-        if n:
-            blocks.append(torch.tensor(ids[: n * seqlen], dtype=torch.long).view(n, seqlen))
-    if not blocks:
-        raise TransMLAError(f"The fine-tune corpora hold fewer than {seqlen} tokens.", "add data or lower finetune.seqlen.")
-    allb = torch.cat(blocks)
-    order = list(range(len(allb)))
-    random.Random(seed).shuffle(order)
-    allb = allb[order]
+    rng = random.Random(seed)
+    docs = {name: [tokenizer(d, add_special_tokens=False)["input_ids"] + [eos] for d in texts if d.strip()]
+            for name, texts in corpora.items()}
+    total = sum(len(t) for ds in docs.values() for t in ds)
     n_val = math.ceil(val_tokens / seqlen)
-    if n_val >= len(allb):
-        raise TransMLAError(f"val_tokens={val_tokens} leaves no training blocks ({len(allb)} blocks of {seqlen}).",
+    if n_val * seqlen >= total:
+        raise TransMLAError(f"val_tokens={val_tokens} leaves no training tokens (the corpora hold {total}).",
                             "lower finetune.val_tokens.")
-    val, train = allb[:n_val], allb[n_val:]
+    train_blocks, val_blocks, info = [], [], {"corpora": {}}
+
+    def blocks_of(ids: list[int]) -> torch.Tensor:
+        n = len(ids) // seqlen
+        return torch.tensor(ids[: n * seqlen], dtype=torch.long).view(n, seqlen)
+
+    for name, ds in docs.items():
+        tokens = sum(len(t) for t in ds)
+        want = round(n_val * tokens / total) * seqlen if total else 0  # this corpus's validation tokens
+        if len(ds) == 1:  # one running text: a contiguous held-out span, the rest before and after it
+            ids = ds[0]
+            want = min(want, max(len(ids) - seqlen, 0) // seqlen * seqlen)
+            start = rng.randrange(0, len(ids) - want + 1, seqlen) if want else 0
+            held, parts = ids[start : start + want], [ids[:start], ids[start + want :]]
+        else:
+            order = list(range(len(ds)))
+            rng.shuffle(order)
+            held, k = [], 0
+            while len(held) < want and k < len(order) - 1:  # at least one document stays for training
+                held += ds[order[k]]
+                k += 1
+            rest = sorted(order[k:])
+            parts = [[t for i in rest for t in ds[i]]]
+        v = blocks_of(held)[: want // seqlen]
+        tr = torch.cat([blocks_of(p) for p in parts])
+        val_blocks.append(v)
+        train_blocks.append(tr)
+        info["corpora"][name] = {"documents": len(ds), "tokens": tokens, "blocks": len(tr) + len(v),
+                                 "val_blocks": len(v)}
+    val = torch.cat(val_blocks) if val_blocks else torch.zeros(0, seqlen, dtype=torch.long)
+    train = torch.cat(train_blocks) if train_blocks else torch.zeros(0, seqlen, dtype=torch.long)
+    if len(train) + len(val) == 0:
+        raise TransMLAError(f"The fine-tune corpora hold fewer than {seqlen} tokens.", "add data or lower finetune.seqlen.")
+    if not len(train) or not len(val):
+        raise TransMLAError(f"val_tokens={val_tokens} leaves {len(train)} training and {len(val)} validation blocks "
+                            f"of {seqlen} tokens ({total} tokens in all).", "lower finetune.val_tokens.")
+    order = list(range(len(train)))
+    rng.shuffle(order)
+    train = train[order]
     info.update(train_blocks=len(train), val_blocks=len(val), train_tokens_available=train.numel(),
-                val_tokens=val.numel(), seqlen=seqlen)
+                val_tokens=val.numel(), seqlen=seqlen, split="by document")
     if max_train_tokens is not None:
         info["epochs"] = round(max_train_tokens / train.numel(), 3)
     return train, val, info
@@ -93,14 +135,26 @@ class Blocks(torch.utils.data.Dataset):
 
 # ---------------------------------------------------------------- latent norm (un)folding
 
+def is_identity_norm(norm) -> bool:
+    """Whether a latent RMSNorm is the export's identity construction (weight = s sqrt(eps) on every row,
+    s >= IDENTITY_MIN_SCALE), not a real norm."""
+    w = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", None)
+    if w is None or eps is None or w.numel() == 0:
+        return False
+    w = w.detach().double()
+    return bool((w - w[0]).abs().max() <= 1e-6 * w[0].abs()) and float(w[0]) / math.sqrt(eps) >= IDENTITY_MIN_SCALE
+
+
 def _latent_norms(model):
-    """(attention module, norm attribute name, projection attribute name, rows) for each identity norm."""
+    """(attention module, norm attribute name, projection attribute name, rows) for each identity norm
+    (real norms, as in a genuine DeepSeek checkpoint, are left alone)."""
     for layer in model.model.layers:
         a = layer.self_attn
-        if isinstance(getattr(a, "kv_a_layernorm", None), torch.nn.Module):
-            yield a, "kv_a_layernorm", "kv_a_proj_with_mqa", a.kv_a_layernorm.weight.shape[0]
-        if isinstance(getattr(a, "q_a_layernorm", None), torch.nn.Module):
-            yield a, "q_a_layernorm", "q_a_proj", a.q_a_layernorm.weight.shape[0]
+        for norm_name, proj_name in (("kv_a_layernorm", "kv_a_proj_with_mqa"), ("q_a_layernorm", "q_a_proj")):
+            norm = getattr(a, norm_name, None)
+            if isinstance(norm, torch.nn.Module) and not isinstance(norm, UnfoldedNorm) and is_identity_norm(norm):
+                yield a, norm_name, proj_name, norm.weight.shape[0]
 
 
 class UnfoldedNorm(torch.nn.Identity):
@@ -115,9 +169,13 @@ class UnfoldedNorm(torch.nn.Identity):
 def unfold_latent_norms(model) -> int:
     """Scale each identity norm's latent rows up by s and replace the norm with an identity module.
 
-    The exported norm weight is s*sqrt(eps) on every row (mla.build_mla_layer); the model's function
-    is unchanged to NORM_TOL. Returns the number of norms unfolded.
+    The exported norm weight is s*sqrt(eps) on every row (mla.build_mla_layer), eps the one the export
+    recorded (config.transmla.latent_norm_eps; a vLLM-padded export's is rms_norm_eps, not transformers'
+    1e-6): the model's function is unchanged to NORM_TOL. Returns the number of norms unfolded.
     """
+    meta = getattr(model.config, "transmla", None)
+    if isinstance(meta, dict) and "latent_norm_eps" in meta:
+        use_recorded_latent_norm_eps(model)
     n = 0
     for attn, norm_name, proj_name, r in list(_latent_norms(model)):
         norm, proj = getattr(attn, norm_name), getattr(attn, proj_name)
@@ -192,6 +250,8 @@ def select_trainable(model, mode: str) -> dict:
 
 
 def check_stock_deepseek(model) -> None:
+    """A DeepseekV3 model (a TransMLA export or a genuine DeepSeek checkpoint: only identity-built latent
+    norms are unfolded for training, real ones are trained as norms)."""
     if getattr(model.config, "model_type", None) != "deepseek_v3":
         raise TransMLAError(
             f"finetune expects a converted DeepseekV3 checkpoint, got model_type={model.config.model_type!r}.",
@@ -235,6 +295,8 @@ def training_arguments(cfg: FinetuneConfig, output_dir: str, eval_on_start: bool
         remove_unused_columns=False,
         disable_tqdm=False,
         use_cache=False,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
     )
 
 
@@ -246,36 +308,127 @@ def last_checkpoint(output_dir: str) -> str | None:
     return get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
 
 
+def _trainer_class():
+    from transformers import Trainer
+
+    class RecoveryTrainer(Trainer):
+        """Trainer whose loss is training.distill.recovery_loss on the final hidden states (chunked; the
+        teacher's forward runs without gradients), logging its parts (lm_loss, kd_loss) with each train
+        loss and the validation cross-entropy (eval_loss) and KL (eval_kd) at each evaluation."""
+
+        def __init__(self, *a, cfg: FinetuneConfig, teacher=None, **kw):
+            super().__init__(*a, **kw)
+            self.cfg, self.teacher = cfg, teacher
+            self.loss_is_scaled_for_ga = False  # a per-batch mean: Trainer divides by grad_accum
+            self._parts: dict[str, list[float]] = {}
+
+        def _losses(self, model, input_ids, objective):
+            hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
+            t_h = t_w = None
+            if objective != "lm":
+                with torch.no_grad():
+                    t = self.teacher
+                    t_h = t.model(input_ids=input_ids.to(t.device), use_cache=False).last_hidden_state
+                    t_h, t_w = t_h.to(hidden.device), t.lm_head.weight.to(hidden.device)
+            return recovery_loss(hidden, model.lm_head.weight, input_ids, objective, t_h, t_w,
+                                 tau=self.cfg.kd_temperature, kd_weight=self.cfg.kd_weight, chunk=self.cfg.loss_chunk)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss, parts = self._losses(model, inputs["input_ids"], self.cfg.objective)
+            if model.training:
+                for k, v in parts.items():
+                    if v is not None:
+                        self._parts.setdefault(k, []).append(v)
+            return (loss, None) if return_outputs else loss
+
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            inputs = self._prepare_inputs(inputs)
+            with torch.no_grad():
+                _, parts = self._losses(model, inputs["input_ids"], "lm" if self.teacher is None else "kd")
+            n = len(inputs["input_ids"])
+            self._eval_kd[0] += (parts["kd"] or 0.0) * n
+            self._eval_kd[1] += n
+            return torch.tensor(parts["lm"]), None, None  # eval_loss: next-token cross-entropy, any objective
+
+        def evaluation_loop(self, *a, metric_key_prefix: str = "eval", **kw):
+            self._eval_kd = [0.0, 0]
+            out = super().evaluation_loop(*a, metric_key_prefix=metric_key_prefix, **kw)
+            if self.teacher is not None and self._eval_kd[1]:
+                out.metrics[f"{metric_key_prefix}_kd"] = self._eval_kd[0] / self._eval_kd[1]
+            return out
+
+        def log(self, logs, start_time=None):
+            if "loss" in logs:  # the parts of the losses logged since the last train-loss entry
+                for k, v in self._parts.items():
+                    logs[f"{k}_loss"] = round(sum(v) / len(v), 6)
+                self._parts = {}
+            super().log(logs, start_time)
+
+    return RecoveryTrainer
+
+
+def mean_train_loss(history: list[dict]) -> float | None:
+    """The mean training loss over every step run, from the logged train losses (each the mean since the
+    entry before it): right for a resumed run too, whose Trainer reports only the steps it ran itself."""
+    prev, total = 0, 0.0
+    for h in history:
+        if "loss" in h and "step" in h and h["step"] > prev:
+            total += h["loss"] * (h["step"] - prev)
+            prev = h["step"]
+    return total / prev if prev else None
+
+
 def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig, work_dir: str,
-             callbacks: list | None = None) -> dict:
+             callbacks: list | None = None, teacher=None) -> dict:
     """Train `model` (stock DeepseekV3, in place) with Trainer; resume from `work_dir`'s last checkpoint.
 
-    On return the model is folded back to the stock format. Returns the run record: losses before and
-    after (validation), the Trainer's log history (loss curves), tokens, seconds, resume point.
+    teacher: the original model (any causal LM with `.model` and `.lm_head` sharing the tokenizer); needed
+    by the kd objectives, used for the validation KL whenever given. On return the model is folded back to
+    the stock format. Returns the run record: losses before and after (validation), the Trainer's log
+    history (loss curves), tokens, seconds, resume point.
     """
-    from transformers import Trainer, default_data_collator
+    from transformers import default_data_collator
 
     check_stock_deepseek(model)
+    if cfg.objective != "lm" and teacher is None:
+        raise TransMLAError(f"finetune.objective={cfg.objective!r} distils from the original model, but no teacher was given.",
+                            "pass the original model as the teacher, or use objective: lm.")
     torch.manual_seed(cfg.seed)
     unfold_latent_norms(model)
     counts = select_trainable(model, cfg.mode)
     attn = model.config._attn_implementation
     use_causal_padded_sdpa(model)  # packed blocks have no padding: the fused causal kernel is exact and faster
+    if teacher is not None:
+        teacher_attn = teacher.config._attn_implementation
+        teacher.to(getattr(torch, cfg.teacher_dtype)).eval().requires_grad_(False)
+        use_causal_padded_sdpa(teacher)
     model.train()
     resume = last_checkpoint(work_dir)
     # A resumed run has its step-0 loss in the restored history.
     args = training_arguments(cfg, work_dir, eval_on_start=resume is None)
-    trainer = Trainer(model=model, args=args, train_dataset=Blocks(train), eval_dataset=Blocks(val),
-                      data_collator=default_data_collator, callbacks=callbacks or [])
+    trainer = _trainer_class()(model=model, args=args, train_dataset=Blocks(train), eval_dataset=Blocks(val),
+                               data_collator=default_data_collator, callbacks=callbacks or [], cfg=cfg, teacher=teacher)
     t0 = time.perf_counter()
     try:
-        out = trainer.train(resume_from_checkpoint=resume)
+        if resume and _step_of(resume) >= cfg.max_steps:
+            # Finished before (a restart after the last checkpoint): Trainer would run one step past
+            # max_steps, so restore the final weights and history instead of training.
+            from transformers.trainer_callback import TrainerState
+
+            trainer._load_from_checkpoint(resume)
+            trainer.state = TrainerState.load_from_json(str(Path(resume) / "trainer_state.json"))
+        else:
+            trainer.train(resume_from_checkpoint=resume)
         seconds = time.perf_counter() - t0
         history = trainer.state.log_history
         evals = [h for h in history if "eval_loss" in h]
         final = trainer.evaluate() if not evals or evals[-1]["step"] != trainer.state.global_step else evals[-1]
     finally:
         model.config._attn_implementation = attn
+        if teacher is not None:
+            teacher.config._attn_implementation = teacher_attn
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_disable()
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -283,16 +436,19 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
     steps_run = trainer.state.global_step - (_step_of(resume) if resume else 0)
     return {
         "config": cfg.model_dump(),
+        "objective": cfg.objective,
         "params": counts,
         "val_loss_before": evals[0]["eval_loss"] if evals and evals[0]["step"] == 0 else None,
         "val_loss_after": final["eval_loss"],
-        "train_loss": out.training_loss,
+        "val_kd_before": evals[0].get("eval_kd") if evals and evals[0]["step"] == 0 else None,
+        "val_kd_after": final.get("eval_kd"),
+        "train_loss": mean_train_loss(history),
         "steps": trainer.state.global_step,
         "tokens_trained": trainer.state.global_step * cfg.tokens_per_step,
         "resumed_from": resume,
         "steps_this_run": steps_run,
         "seconds_this_run": round(seconds, 1),
-        "tokens_per_second": round(steps_run * cfg.tokens_per_step / seconds, 1) if seconds > 0 else None,
+        "tokens_per_second": round(steps_run * cfg.tokens_per_step / seconds, 1) if seconds > 0 and steps_run else None,
         "log_history": history,
         "latent_norms": fold,
     }
@@ -322,16 +478,16 @@ def save_finetuned(model, tokenizer, out, record: dict):
 
 
 def finetune_on_corpora(model, tokenizer, corpora: dict[str, list[str]], cfg: FinetuneConfig, work_dir,
-                        out) -> dict:
+                        out, teacher=None) -> dict:
     """The whole recovery run: pack `corpora` (name -> documents), train (resuming from `work_dir`'s
-    last checkpoint), write the stock checkpoint to `out`, delete the Trainer checkpoints. Returns
-    the run record."""
+    last checkpoint; `teacher` for the kd objectives), write the stock checkpoint to `out`, delete the
+    Trainer checkpoints. Returns the run record."""
     import shutil
     from pathlib import Path
 
     check_stock_deepseek(model)
     train, val, data = pack_corpus(tokenizer, corpora, cfg.seqlen, cfg.val_tokens, cfg.seed, cfg.max_tokens)
-    record = finetune(model, train, val, cfg, str(work_dir))
+    record = finetune(model, train, val, cfg, str(work_dir), teacher=teacher)
     record["data"] = data
     if Path(out).exists():  # a run that died between writing the model and cleaning up
         shutil.rmtree(out)
