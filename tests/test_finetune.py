@@ -337,3 +337,16 @@ def test_real_latent_norms_are_kept(converted, blocks):
     assert model.model.layers[0].self_attn.kv_a_layernorm is real
     assert isinstance(model.model.layers[1].self_attn.kv_a_layernorm, UnfoldedNorm)
     assert n == model.config.num_hidden_layers * (2 if model.config.q_lora_rank else 1) - 1
+
+
+def test_gradient_checkpointing_trains_the_same_model(converted, blocks, tmp_path):
+    """Recomputing each decoder layer in backward (less memory) changes nothing but the cost."""
+    runs = []
+    for gc in (False, True):
+        model, _ = load_model(str(converted))
+        rec = finetune(model, blocks[0], blocks[1], _cfg(max_tokens=3 * 4 * 64, eval_every=3, gradient_checkpointing=gc),
+                       str(tmp_path / str(gc)))
+        runs.append((rec, _logprobs(model, blocks[1][:2])))
+    (a, la), (b, lb) = runs
+    assert a["val_loss_after"] == pytest.approx(b["val_loss_after"], abs=1e-5)
+    assert (la - lb).abs().max() < 1e-4

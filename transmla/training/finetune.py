@@ -295,8 +295,8 @@ def training_arguments(cfg: FinetuneConfig, output_dir: str, eval_on_start: bool
         remove_unused_columns=False,
         disable_tqdm=False,
         use_cache=False,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
+        activation_checkpointing=cfg.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
     )
 
 
@@ -428,7 +428,7 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
         if teacher is not None:
             teacher.config._attn_implementation = teacher_attn
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_disable()
+        model.activation_checkpointing_disable()
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
