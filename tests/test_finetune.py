@@ -350,3 +350,21 @@ def test_gradient_checkpointing_trains_the_same_model(converted, blocks, tmp_pat
     (a, la), (b, lb) = runs
     assert a["val_loss_after"] == pytest.approx(b["val_loss_after"], abs=1e-5)
     assert (la - lb).abs().max() < 1e-4
+
+
+def test_cli_distils_and_refuses_kd_without_a_teacher(cut, sharp, tmp_path):
+    """`transmla finetune --objective kd`: without --teacher one clear error, exit 2 (bad input), nothing written;
+    with it a run whose JSON names the objective, the validation KL and the peak RSS."""
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "transmla.cli", "finetune", "--model", str(cut), "--corpora", "c4-demo,wiki-demo",
+            "--seqlen", "64", "--batch-size", "4", "--max-tokens", str(2 * 4 * 64), "--val-tokens", "256",
+            "--eval-every", "2", "--objective", "kd"]
+    bad = subprocess.run(base + ["--out", str(tmp_path / "bad")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--teacher" in bad.stderr and not (tmp_path / "bad").exists()
+    ok = subprocess.run(base + ["--out", str(tmp_path / "ok"), "--teacher", str(sharp)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    res = json.loads(ok.stdout)
+    assert res["objective"] == "kd" and res["val_kd_after"] is not None and res["peak_rss_gib"] > 0
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "ok")).__name__ == "DeepseekV3ForCausalLM"

@@ -7,6 +7,7 @@ User errors print one line `transmla: error: ... Fix: ...` and exit with status 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -109,6 +110,7 @@ def cmd_finetune(args) -> dict:
     from transmla.training.finetune import FinetuneConfig, finetune_on_corpora
     from transmla.io.paths import new_output_dir
     from transmla.io.sources import load_model
+    from transmla.runtime.memory import peak_rss_bytes
 
     cfg = FinetuneConfig(**{k: getattr(args, k) for k in FinetuneConfig.model_fields})
     if cfg.objective != "lm" and not args.teacher:
@@ -116,16 +118,17 @@ def cmd_finetune(args) -> dict:
                             "pass --teacher SOURCE (the model you converted), or use --objective lm.")
     out = new_output_dir(args.out)  # fail before hours of training, not after
     model, tok = load_model(args.model, dtype="float32", device=args.device, cache=args.cache_dir)
-    teacher = None
-    if cfg.objective != "lm":
+    teacher = None  # with --objective lm a teacher only scores: the validation KL, for comparing objectives
+    if args.teacher:
         teacher = load_model(args.teacher, dtype=cfg.teacher_dtype, device=args.device, cache=args.cache_dir)[0]
     names = [c.strip() for c in args.corpora.split(",") if c.strip()]
     docs = {n: load_documents(n, data_dir_override=args.data_dir) for n in names}
     work = Path(args.work_dir) if args.work_dir else out.with_name(f".{out.name}.trainer")
-    record = finetune_on_corpora(model, tok, docs, cfg, work, out, teacher=teacher)
-    keys = ("objective", "val_loss_before", "val_loss_after", "val_kd_before", "val_kd_after", "train_loss", "steps", "tokens_trained", "resumed_from",
-            "seconds_this_run", "tokens_per_second", "params")
-    return {"out": str(out), **{k: record[k] for k in keys}}
+    with contextlib.redirect_stdout(sys.stderr):  # Trainer prints its logs; stdout stays the result's JSON
+        record = finetune_on_corpora(model, tok, docs, cfg, work, out, teacher=teacher)
+    keys = ("objective", "val_loss_before", "val_loss_after", "val_kd_before", "val_kd_after", "train_loss", "steps",
+            "tokens_trained", "resumed_from", "seconds_this_run", "tokens_per_second", "params")
+    return {"out": str(out), **{k: record[k] for k in keys}, "peak_rss_gib": round(peak_rss_bytes() / 2**30, 3)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
         t.add_argument("--" + name.replace("_", "-"), type=kind, default=field.default, choices=choices,
                        help=FINETUNE_HELP.get(name, "") + f" (default {field.default})")
     t.add_argument("--teacher", default=None,
-                   help="the original model (any source `transmla convert` takes): the kd objectives distil from it")
+                   help="the original model (any source `transmla convert` takes): the kd objectives distil from it; "
+                        "with --objective lm it only scores the validation KL")
     t.add_argument("--work-dir", default=None, help="Trainer checkpoints (default: .<out>.trainer beside --out)")
     t.set_defaults(func=cmd_finetune)
 
