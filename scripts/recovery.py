@@ -1,0 +1,150 @@
+"""Benchmark: recovery fine-tunes side by side, by objective (reports/recovery/<model>-<budget>.{json,md}).
+
+    .venv/bin/python scripts/recovery.py --model smollm2-135m --budget 0.125 [--runs lm,kd,lm_time,kd_no_wt2]
+
+One conversion (the CLI's default mode at --budget, or --checkpoint DIR), then per run one
+`transmla finetune` in its own process (its tokens/s and peak RSS are its own) from that same
+checkpoint, and on each result:
+  - the validation cross-entropy and KL to the original on the run's held-out blocks (split by document);
+  - WikiText-2 test perplexity, first --ppl-tokens tokens in 2048-token windows;
+  - c4-demo perplexity, same protocol (a corpus the `*_no_wt2` runs train on; WikiText-2 test is then
+    the corpus they did not see: WikiText-2 train is left out of their corpora).
+Runs:
+  lm         next-token cross-entropy, --max-tokens tokens
+  kd         KL from the original model, --max-tokens tokens
+  kd+lm      both
+  lm_time    cross-entropy for as long as the kd run took (the teacher's forward costs time)
+  kd_no_wt2  kd without WikiText-2 train in the corpora
+Rows already in the JSON with the same protocol are kept (resumable); a time taken beside other work
+is not a measurement, so run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from transmla.config import FINETUNE_CORPORA, FinetuneConfig  # noqa: E402
+from transmla.evaluation.perplexity import perplexity, tokenize_corpus  # noqa: E402
+from transmla.io.data import load_texts  # noqa: E402
+from transmla.io.paths import write_text_atomic  # noqa: E402
+from transmla.io.sources import load_model  # noqa: E402
+from transmla.runtime.fast_attention import use_causal_padded_sdpa  # noqa: E402
+
+DATASETS = ("wikitext2-test", "c4-demo")
+RUNS = {  # name -> (objective, corpora filter, label)
+    "lm": ("lm", None, "lm (next-token cross-entropy)"),
+    "kd": ("kd", None, "kd (distillation from the original)"),
+    "kd+lm": ("kd+lm", None, "kd + lm"),
+    "lm_time": ("lm", None, "lm, as long as kd took"),
+    "kd_no_wt2": ("kd", "wikitext2-train", "kd, WikiText-2 train left out"),
+}
+
+
+def run_cli(args: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "transmla.cli", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    if p.returncode:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout)
+
+
+def markdown(res: dict) -> str:
+    pr, o = res["protocol"], res["original"]
+    lines = [f"# Recovery fine-tune by objective: {res['model']} at a {100 * (1 - res['budget']):.1f}% KV cut", "",
+             f"Start: {res['conversion']}. Training: {pr['training']}. Perplexity: first {pr['ppl_tokens']:,} tokens "
+             f"of each test set in 2048-token windows, ppl = exp(mean NLL). Original model: WikiText-2 "
+             f"{o['wikitext2-test']:.2f}, c4-demo {o['c4-demo']:.2f}; converted, before training: WikiText-2 "
+             f"{res['converted']['wikitext2-test']:.2f}, c4-demo {res['converted']['c4-demo']:.2f}. Val. = the run's "
+             "held-out blocks (whole documents): next-token cross-entropy and KL from the original (nats/token). "
+             f"Gap = WikiText-2 ppl minus the original's. Machine: {pr['machine']}; one run at a time.", "",
+             "| run | corpora | tokens | tokens/s | s | peak RSS GiB | val. CE | val. KL | WikiText-2 | gap | c4-demo |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        lines.append(
+            f"| {r['label']} | {', '.join(r['corpora'])} | {r['tokens_trained']:,} | {r['tokens_per_second']} | "
+            f"{r['seconds']:.0f} | {r['peak_rss_gib']:.2f} | {r['val_loss_before']:.3f} -> {r['val_loss_after']:.3f} | "
+            f"{r['val_kd_before']:.3f} -> {r['val_kd_after']:.3f} | {r['wikitext2-test']:.2f} | "
+            f"{r['wikitext2-test'] - o['wikitext2-test']:.2f} | {r['c4-demo']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="the original model (any transmla source): converted, then the teacher")
+    ap.add_argument("--budget", type=float, default=0.125, help="KV-cache fraction kept")
+    ap.add_argument("--checkpoint", default=None, help="start from this converted dir instead of converting")
+    ap.add_argument("--runs", default="lm,kd,lm_time,kd_no_wt2", help=f"comma list of {list(RUNS)}")
+    ap.add_argument("--max-tokens", type=int, default=FinetuneConfig().max_tokens)
+    ap.add_argument("--ppl-tokens", type=int, default=32768)
+    ap.add_argument("--out", default=None, help="default reports/recovery/<model>-<budget>.json")
+    ap.add_argument("finetune_args", nargs="*", help="more `transmla finetune` flags, after --")
+    args = ap.parse_args()
+    runs = args.runs.split(",")
+    if bad := [r for r in runs if r not in RUNS]:
+        raise SystemExit(f"unknown runs {bad}: choose from {list(RUNS)}")
+    out = Path(args.out or REPO / "reports" / "recovery" / f"{args.model}-{args.budget}.json")
+    protocol = {"ppl_tokens": args.ppl_tokens, "machine": f"CPU, {torch.get_num_threads()} threads",
+                "training": f"{args.max_tokens:,} tokens, `transmla finetune` defaults {' '.join(args.finetune_args)}".strip()}
+    res = json.loads(out.read_text()) if out.is_file() else {}
+    if res.get("protocol") != protocol:
+        res = {"model": args.model, "budget": args.budget, "protocol": protocol, "rows": []}
+    model, tok = load_model(args.model, dtype="float32")
+    tests = {d: tokenize_corpus(tok, load_texts(d)) for d in DATASETS}
+
+    def ppl(m) -> dict:
+        m = use_causal_padded_sdpa(m)
+        return {d: round(perplexity(m, tests[d], 2048, max_tokens=args.ppl_tokens, progress=False)["ppl"], 3)
+                for d in DATASETS}
+
+    if "original" not in res:
+        res["original"] = ppl(model)
+    del model
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(args.checkpoint) if args.checkpoint else Path(tmp) / "converted"
+        if not args.checkpoint:
+            info = run_cli(["convert", "--model", args.model, "--out", str(ckpt), "--kv-cache-ratio", str(args.budget)])
+            res["conversion"] = (f"`transmla convert --kv-cache-ratio {args.budget}` (default mode), RoPE "
+                                 f"{info['qk_rope_head_dim']} + rank {info['kv_lora_rank']}")
+        else:
+            res["conversion"] = f"{args.checkpoint}"
+        if "converted" not in res:
+            res["converted"] = ppl(load_model(str(ckpt), dtype="float32")[0])
+        done = {r["run"] for r in res["rows"]}
+        for name in runs:
+            if name in done:
+                continue
+            objective, drop, label = RUNS[name]
+            corpora = [c for c in FINETUNE_CORPORA if c != drop]
+            tokens = args.max_tokens
+            if name == "lm_time":
+                kd = next((r for r in res["rows"] if r["run"] == "kd"), None)
+                lm = next((r for r in res["rows"] if r["run"] == "lm"), None)
+                if kd is None or lm is None:
+                    raise SystemExit("lm_time needs the lm and kd runs first (--runs lm,kd,lm_time)")
+                tokens = int(kd["seconds"] * lm["tokens_per_second"])
+            r = run_cli(["finetune", "--model", str(ckpt), "--out", str(Path(tmp) / name), "--teacher", args.model,
+                         "--objective", objective, "--corpora", ",".join(corpora), "--max-tokens", str(tokens),
+                         *args.finetune_args])
+            row = {"run": name, "label": label, "corpora": corpora, **{k: r[k] for k in (
+                "objective", "tokens_trained", "tokens_per_second", "peak_rss_gib", "val_loss_before", "val_loss_after",
+                "val_kd_before", "val_kd_after", "train_loss")}, "seconds": r["seconds_this_run"],
+                **ppl(load_model(r["out"], dtype="float32")[0])}
+            res["rows"].append(row)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(out, json.dumps(res, indent=1))
+            write_text_atomic(out.with_suffix(".md"), markdown(res))
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
