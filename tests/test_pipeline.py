@@ -279,7 +279,7 @@ def test_finetune_stage_cache_and_reeval(tmp_path, tiny_dir, monkeypatch):
     ckpt = tmp_path / "artifacts/ftp/transmla-0.25-ft/model"
     assert type(AutoModelForCausalLM.from_pretrained(ckpt)).__name__ == "DeepseekV3ForCausalLM"
     curve = (tmp_path / "reports/plots/ftp/transmla-0.25-ft-loss.csv").read_text().splitlines()
-    assert curve[0] == "step,train_loss,val_loss,learning_rate" and len(curve) >= 7
+    assert curve[0] == "step,train_loss,train_lm,val_loss,learning_rate" and len(curve) >= 7  # lm: no KD curves
     train = json.loads((tmp_path / "reports/metrics/ftp/transmla-0.25-ft.train.json").read_text())
     assert train["val_loss_after"] == summary["val_loss_after"]
     # Same inputs: cached (the DVC out is re-published from the store); a new lr trains again.
