@@ -465,7 +465,7 @@ def test_paper_flow_end_to_end(tmp_path, tiny_dir, monkeypatch):
     assert (tmp_path / "reports/table1.md").read_text() == text
     rows = [line for line in text.splitlines() if line.startswith("| e2e |")]
     assert [r.split("|")[2].strip() for r in rows] == ["Original", "MHA2MLA", "TransMLA", "TransMLA"]
-    assert [r.split("|")[-3].strip() for r in rows] == ["0", "0", "0", f"{6 * 4 * 64:,}"]  # Tokens column
+    assert [r.split("|")[-3].strip() for r in rows] == ["0", "0", "0", f"{6 * 4 * 64:,} (lm)"]  # Tokens (objective)
     for f in ("fig4a_key_norms", "fig4b_rope_removal", "fig5_bkv"):
         assert (tmp_path / f"reports/figures/e2e/{f}.png").read_bytes()[:4] == b"\x89PNG"
     fig = json.loads((tmp_path / "reports/metrics/e2e/figures.json").read_text())
