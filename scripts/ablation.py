@@ -61,8 +61,14 @@ ROWS = {
                  ["--cal-dataset", f"wikitext2-train+path:{Path(os.__file__).parent}"]),
     "all_code_qm": ("all combined, query-metric RoRoPE, calibration half Python source",
                     ["--rorope-metric", "query", "--cal-dataset", f"wikitext2-train+path:{Path(os.__file__).parent}"]),
+    # Opt-in: short calibration windows (same 32,768 tokens) weight the early positions a short prompt lives in
+    # 4x more than 256-token windows do.
+    "all_short": ("all combined, calibration in 512 x 64-token windows", ["--cal-nsamples", "512", "--cal-seqlen", "64"]),
+    "all_code_qm_short": ("all combined, query-metric RoRoPE, calibration half Python source in 512 x 64-token windows",
+                          ["--rorope-metric", "query", "--cal-dataset", f"wikitext2-train+path:{Path(os.__file__).parent}",
+                           "--cal-nsamples", "512", "--cal-seqlen", "64"]),
 }
-DEFAULT_ROWS = [r for r in ROWS if not r.startswith("all_code")]
+DEFAULT_ROWS = [r for r in ROWS if not r.startswith("all_code") and not r.endswith("_short")]
 DATASETS = ("wikitext2-test", "c4-demo")
 
 
