@@ -44,6 +44,8 @@ from transmla.io.paths import write_text_atomic  # noqa: E402
 from transmla.io.sources import load_model  # noqa: E402
 from transmla.runtime.fast_attention import use_causal_padded_sdpa  # noqa: E402
 
+CODE_CAL = ["--cal-dataset", f"wikitext2-train+path:{Path(os.__file__).parent}"]
+SHORT_CAL = ["--cal-nsamples", "512", "--cal-seqlen", "64"]
 # name -> (label, `transmla convert` flags)
 ROWS = {
     "mha2mla": ("MHA2MLA", ["--method", "mha2mla"]),
@@ -57,18 +59,16 @@ ROWS = {
     "all_qm": ("all combined, query-metric RoRoPE", ["--rorope-metric", "query"]),
     # Opt-in (--rows): a code model calibrated half on code. The running interpreter's standard library
     # is Python source every machine has, so the row reproduces without a code data set.
-    "all_code": ("all combined, calibration half Python source",
-                 ["--cal-dataset", f"wikitext2-train+path:{Path(os.__file__).parent}"]),
-    "all_code_qm": ("all combined, query-metric RoRoPE, calibration half Python source",
-                    ["--rorope-metric", "query", "--cal-dataset", f"wikitext2-train+path:{Path(os.__file__).parent}"]),
-    # Opt-in: short calibration windows (same 32,768 tokens) weight the early positions a short prompt lives in
-    # 4x more than 256-token windows do.
-    "all_short": ("all combined, calibration in 512 x 64-token windows", ["--cal-nsamples", "512", "--cal-seqlen", "64"]),
+    "all_code": ("all combined, calibration half Python source", CODE_CAL),
+    "all_code_qm": ("all combined, query-metric RoRoPE, calibration half Python source", ["--rorope-metric", "query", *CODE_CAL]),
+    # Opt-in: short calibration windows (the same 32,768 tokens) weight the early positions a short prompt
+    # lives in 4x more than 256-token windows do.
+    "all_short": ("all combined, calibration in 512 x 64-token windows", SHORT_CAL),
     "all_code_qm_short": ("all combined, query-metric RoRoPE, calibration half Python source in 512 x 64-token windows",
-                          ["--rorope-metric", "query", "--cal-dataset", f"wikitext2-train+path:{Path(os.__file__).parent}",
-                           "--cal-nsamples", "512", "--cal-seqlen", "64"]),
+                          ["--rorope-metric", "query", *CODE_CAL, *SHORT_CAL]),
 }
-DEFAULT_ROWS = [r for r in ROWS if not r.startswith("all_code") and not r.endswith("_short")]
+OPT_IN = ("all_code", "all_code_qm", "all_short", "all_code_qm_short")
+DEFAULT_ROWS = [r for r in ROWS if r not in OPT_IN]
 DATASETS = ("wikitext2-test", "c4-demo")
 
 
