@@ -64,7 +64,9 @@ def report(profile: Profile) -> str:
         notes.append(
             f"Fine-tune ({ft.mode}, transformers Trainer): {', '.join(ft.corpora)} packed into {ft.seqlen}-token "
             f"blocks, batch {ft.batch_size} x {ft.grad_accum}, lr {ft.lr:g} {ft.schedule} (warmup {ft.warmup_ratio:g}), "
-            f"{ft.dtype}, objective {ft.objective}{kd}; validation split by document; loss curves in reports/plots/."
+            f"{ft.dtype}, objective {ft.objective}{kd}"
+            + (f" + {ft.attn_weight:g} x per-layer attention matching to the original" if ft.attn_weight > 0 else "")
+            + "; validation split by document; loss curves in reports/plots/."
             + (" WikiText-2 train is one of the corpora, so part of the perplexity gain is in-domain adaptation, "
                "not only recovery." if "wikitext2-train" in ft.corpora else ""))
     figs = {}

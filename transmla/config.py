@@ -239,9 +239,16 @@ class FinetuneConfig(Options):
     objective: Literal["lm", "kd", "kd+lm"] = "lm"
     kd_temperature: float = Field(1.0, gt=0)  # softens both distributions; the loss is scaled by tau^2
     kd_weight: float = Field(1.0, ge=0)  # kd+lm = kd_weight * kd + lm
+    # + attn_weight * per-layer attention matching (the converted layer's attention output vs the
+    # original's on the same input, relative squared error, mean over layers); > 0 needs the teacher
+    attn_weight: float = Field(0.0, ge=0)
     teacher_dtype: Literal["float32", "bfloat16"] = "float32"  # the teacher's forward (no gradients)
     loss_chunk: int = Field(1024, ge=1)  # positions per output-head chunk: logits never held for the whole batch
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
+
+    @property
+    def needs_teacher(self) -> bool:
+        return self.objective != "lm" or self.attn_weight > 0
 
     @property
     def tokens_per_step(self) -> int:
