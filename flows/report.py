@@ -12,6 +12,7 @@ from prefect import flow
 from tasks import tracking
 from tasks.report import table1
 from transmla.errors import TransMLAError
+from transmla.evaluation.benchmarks import PROTOCOL_NOTE
 
 from . import _cli, layout
 from .params import Profile
@@ -38,11 +39,13 @@ def rows_of(profile: Profile) -> list[dict]:
 def report(profile: Profile) -> str:
     rows = rows_of(profile)
     ev = profile.evaluation
-    limit = "all docs" if ev.limit is None else f"a seeded sample of {ev.limit} docs per task (per MMLU subject)"
+    limit = ("all docs" if ev.limit is None else
+             f"the same seeded sample of {ev.limit} docs per benchmark for every row (MMLU stratified by subject)")
     ppl_tokens = sorted({r["ppl_tokens"] for r in rows})
     notes = [
-        f"Benchmarks: lm-eval zero-shot, {limit}; accuracy in % (MMLU and WG: acc; ARC = mean of ARC-Easy and "
-        "ARC-Challenge acc_norm; PIQA, HS, OBQA: acc_norm). Avg. = mean of the six columns.",
+        f"Benchmarks (lm-eval): {PROTOCOL_NOTE[ev.protocol]}; {limit}. Accuracy in % ± its standard error; "
+        "ARC = mean of ARC-Easy and ARC-Challenge; Avg. = mean of the six columns; 'vs original' = the paired "
+        "difference of Avg. to the same model's original row on the same documents ± its standard error.",
         f"WikiText-2 test perplexity over {', '.join(f'{t:,}' for t in ppl_tokens)} tokens in "
         f"{ev.ppl_seqlen}-token windows.",
         "KV Mem. = change of the per-token KV cache (original: 2 x kv_heads x head_dim values per layer; "

@@ -22,9 +22,9 @@ def perplexity(model: dict, data: dict, seqlen: int = 2048, max_tokens: int | No
 
 @cached_task("benchmarks")
 def benchmarks(model: dict, data: list[dict], tasks: list[str], limit: int | None, batch_size: int = 8,
-               seed: int = 1234, dtype: str = "float32", device: str = "cpu") -> dict:
+               seed: int = 1234, dtype: str = "float32", device: str = "cpu", protocol: str = "paper") -> dict:
     """lm-eval zero-shot on the local benchmark files -> ref to a dir with results.json + samples/."""
     d = task_dir()
     evaluate(model["path"], tasks=tuple(tasks), limit=limit, batch_size=batch_size, seed=seed, dtype=dtype,
-             device=device, out_dir=d, data_dir=data_dir_of(data[0]))
+             device=device, out_dir=d, data_dir=data_dir_of(data[0]), protocol=protocol)
     return dir_ref(d)

@@ -7,6 +7,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from transmla.evaluation.benchmarks import paired_columns
 from transmla.io.paths import write_text_atomic
 
 COLUMNS = (("MMLU", "mmlu"), ("ARC", "arc_mean"), ("PIQA", "piqa"), ("HS", "hellaswag"), ("OBQA", "openbookqa"),
@@ -30,29 +31,52 @@ def table_row(model: str, method: str, budget: float | None, ppl: dict, bench: d
         "tokens_trained": tokens,
         "ppl": ppl["ppl"], "ppl_tokens": ppl["tokens"],
         "average": bench["average"], "arc_mean": bench.get("arc_mean"),
+        "average_se": bench.get("average_se"), "arc_se": bench.get("arc_se"),
         "benchmarks": {t: v["value"] for t, v in bench["tasks"].items()},
+        "benchmark_se": {t: v.get("se") for t, v in bench["tasks"].items()},
         "benchmark_n": {t: v["n"] for t, v in bench["tasks"].items()},
+        "protocol": bench.get("protocol"),
+        # per-document scores: the report's paired differences to the original (same sample)
+        "scores": bench.get("scores"), "sizes": bench.get("sizes"),
         "eval_limit": limit, "seconds": {"ppl": ppl["seconds"], "benchmarks": bench["seconds"]},
     }
 
 
 def tracked_metrics(row: dict) -> dict:
     """The MLflow metrics of a Table-1 row."""
-    return {"wikitext2_ppl": row["ppl"], "average": row["average"], "arc": row["arc_mean"],
+    return {"wikitext2_ppl": row["ppl"], "average": row["average"], "average_se": row.get("average_se"), "arc": row["arc_mean"],
             "kv_cache_ratio": row["kv_cache_ratio"], "kv_cache_reduction": 1 - row["kv_cache_ratio"],
             "tokens_trained": row["tokens_trained"], **{f"bench.{t}": v for t, v in row["benchmarks"].items()}}
 
 
-def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.1f}"
+def _pct(x, se=None, sign: bool = False) -> str:
+    if x is None:
+        return "-"
+    v = f"{100 * x:+.1f}" if sign else f"{100 * x:.1f}"
+    return v if se is None else f"{v} ±{100 * se:.1f}"
 
 
-def _row(r: dict) -> str:
+def paired_to_original(rows: list[dict]) -> list[dict | None]:
+    """Each row's paired differences to its model's original row (same documents), None for the original
+    itself or where per-document scores are missing."""
+    orig = {r["model"]: r for r in rows if r["method"] == "original"}
+    out = []
+    for r in rows:
+        o = orig.get(r["model"])
+        ok = r["method"] != "original" and o is not None and r.get("scores") and o.get("scores")
+        out.append(paired_columns(r, o) if ok else None)
+    return out
+
+
+def _row(r: dict, diff: dict | None) -> str:
     kv = "100%" if r["method"] == "original" else f"-{100 * (1 - r['kv_cache_ratio']):.2f}%"
     shape = "-" if r["qk_rope_head_dim"] is None else f"{r['qk_rope_head_dim']} + {r['kv_lora_rank']}"
-    cells = [r["model"], METHOD_NAMES.get(r["method"], r["method"]), kv, shape, _pct(r["average"])]
+    se = r.get("benchmark_se") or {}
+    d = (diff or {}).get("average")
+    cells = [r["model"], METHOD_NAMES.get(r["method"], r["method"]), kv, shape, _pct(r["average"], r.get("average_se")),
+             "-" if d is None else _pct(d["value"], d["se"], sign=True)]
     for _, key in COLUMNS:
-        cells.append(_pct(r["arc_mean"] if key == "arc_mean" else r["benchmarks"].get(key)))
+        cells.append(_pct(r["arc_mean"], r.get("arc_se")) if key == "arc_mean" else _pct(r["benchmarks"].get(key), se.get(key)))
     tokens = f"{r['tokens_trained']:,} ({r.get('objective') or 'lm'})" if r["tokens_trained"] else "0"
     cells += [tokens, f"{r['ppl']:.2f}"]
     return "| " + " | ".join(cells) + " |"
@@ -61,7 +85,8 @@ def _row(r: dict) -> str:
 @task(name="table1", cache_policy=NO_CACHE)
 def table1(rows: list[dict], figures: dict[str, list[str]], notes: list[str], out: Path) -> str:
     """Write the markdown table (rows in the given order) with its figures and notes."""
-    head = ["Model", "Method", "KV Mem.", "RoPE + rank", "Avg.", *[c for c, _ in COLUMNS], "Tokens", "WikiText-2 ppl"]
+    head = ["Model", "Method", "KV Mem.", "RoPE + rank", "Avg.", "vs original", *[c for c, _ in COLUMNS], "Tokens",
+            "WikiText-2 ppl"]
     lines = [
         "# Table 1 (regenerated)",
         "",
@@ -69,7 +94,7 @@ def table1(rows: list[dict], figures: dict[str, list[str]], notes: list[str], ou
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join(["---"] * 4 + ["---:"] * (len(head) - 4)) + "|",
-        *[_row(r) for r in rows],
+        *[_row(r, d) for r, d in zip(rows, paired_to_original(rows))],
         "",
         *[f"- {n}" for n in notes],
     ]

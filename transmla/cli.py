@@ -102,7 +102,7 @@ def cmd_eval(args) -> dict:
     limit = None if args.limit in (None, 0) else args.limit
     return evaluate(materialize(args.model, args.cache_dir), tasks=tasks, limit=limit, num_fewshot=args.num_fewshot,
                     batch_size=args.batch_size if str(args.batch_size).startswith("auto") else int(args.batch_size), seed=args.seed, dtype=args.dtype, device=args.device,
-                    out_dir=args.out, data_dir=args.data_dir)
+                    out_dir=args.out, data_dir=args.data_dir, protocol=args.protocol)
 
 
 def cmd_finetune(args) -> dict:
@@ -232,7 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", default=DEFAULT_SOURCE, help=SOURCE_HELP)
     e.add_argument("--tasks", default=",".join(EV["tasks"].default), help="comma list (default all six Table-1 benchmarks)")
     e.add_argument("--limit", type=int, default=EV["limit"].default,
-                   help="docs per task (per MMLU subject), a seeded random subset; default: all")
+                   help="docs per benchmark (MMLU: in all, stratified by subject), a seeded random subset; default: all")
+    e.add_argument("--protocol", default=EV["protocol"].default, choices=["paper", "lm_eval"],
+                   help="paper: cloze MMLU, acc_norm on every benchmark (the paper's); lm_eval: letter MMLU, acc for MMLU/WG")
     e.add_argument("--num-fewshot", type=int, default=0, help="few-shot examples (default 0, as in the paper)")
     e.add_argument("--batch-size", default=str(EV["batch_size"].default), help="lm-eval batch size (int or 'auto')")
     e.add_argument("--seed", type=int, default=EV["seed"].default, help="seed for sampling and lm-eval")

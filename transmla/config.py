@@ -266,7 +266,9 @@ class EvaluationOptions(Options):
     ppl_seqlen: int = Field(2048, ge=2)
     ppl_max_tokens: int | None = Field(None, ge=2)  # None: the whole test set
     tasks: tuple[str, ...] = BENCHMARKS
-    limit: int | None = Field(None, ge=1)  # docs per task (per MMLU subject); None: full benchmarks
+    # paper: cloze MMLU + acc_norm everywhere (the paper's and MHA2MLA's); lm_eval: letter MMLU, acc for MMLU/WG
+    protocol: Literal["paper", "lm_eval"] = "paper"
+    limit: int | None = Field(None, ge=1)  # docs per benchmark (MMLU: in all, stratified by subject); None: every doc
     batch_size: int = Field(8, ge=1)
     seed: int = 1234
 
