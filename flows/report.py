@@ -10,7 +10,7 @@ import json
 from prefect import flow
 
 from tasks import tracking
-from tasks.report import table1
+from tasks.report import case_study, table1
 from transmla.errors import TransMLAError
 from transmla.evaluation.benchmarks import PROTOCOL_NOTE
 
@@ -77,9 +77,12 @@ def report(profile: Profile) -> str:
         f = layout.REPORTS / "metrics" / model / "figures.json"
         if f.is_file():
             figs[model] = list(json.loads(f.read_text())["files"].values())
-    text = table1(rows, figs, notes, layout.table_file())
+    text = table1(rows, figs, notes + ["Case study (the paper's Table 6): [case_study.md](case_study.md); decode "
+                                       "throughput (Table 5): reports/throughput/."], layout.table_file())
+    case_study(rows, layout.case_study_file())
     for model in profile.pipeline.models:
-        tracking.log_files(profile.mlflow.experiment, model, [layout.table_file(), *figs.get(model, [])])
+        tracking.log_files(profile.mlflow.experiment, model,
+                           [layout.table_file(), layout.case_study_file(), *figs.get(model, [])])
     return text
 
 

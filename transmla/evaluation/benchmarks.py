@@ -5,7 +5,9 @@ overridden. At run time we write task YAMLs that `include:` the installed lm-eva
 `dataset_path: json` with absolute `data_files` pointing at the local JSONL mirror (relative paths
 would resolve against the working directory, not the YAML). MMLU becomes one task per subject
 (filtered from the single JSONL by a generated `process_docs`), with the dev split as few-shot pool,
-grouped with weight_by_size like lm-eval's own `mmlu` group.
+grouped with weight_by_size like lm-eval's own `mmlu` group. The model is lm-eval's HFLM, loaded
+once, with each context's choices scored in one packed sequence (transmla.evaluation.scoring: the
+same log-likelihoods, the context encoded once).
 
 Protocols (PROTOCOLS):
     paper    what the paper (and MHA2MLA, whose task file it shares) scores: zero-shot, length-
@@ -51,13 +53,17 @@ SINGLE = {
 BENCHMARK_DATA = {t: list(splits.values()) for t, (_, splits, _) in SINGLE.items()} | {"mmlu": ["mmlu_test", "mmlu_dev"]}
 # protocol -> (MMLU form, the metric each Table-1 column reports)
 PROTOCOLS = {
-    "paper": ("cloze", {t: "acc_norm" for t in TASKS}),
+    # WinoGrande: both options score the same continuation (the text after the blank), so normalising by its
+    # length is a no-op and acc is the length-normalised accuracy; lm-eval's acc_norm there divides by the
+    # option's length, which is part of the context, not of what is scored.
+    "paper": ("cloze", {t: "acc" if t == "winogrande" else "acc_norm" for t in TASKS}),
     "lm_eval": ("letter", {"mmlu": "acc", "arc_easy": "acc_norm", "arc_challenge": "acc_norm", "piqa": "acc_norm",
                            "hellaswag": "acc_norm", "openbookqa": "acc_norm", "winogrande": "acc"}),
 }
 PROTOCOL_NOTE = {
-    "paper": "zero-shot, acc_norm (length-normalised log-likelihood) on every benchmark, MMLU in cloze form "
-             "(each answer text scored as the continuation of the question; WinoGrande's acc_norm = acc)",
+    "paper": "zero-shot, acc_norm (length-normalised log-likelihood accuracy), MMLU in cloze form (each answer "
+             "text scored as the continuation of the question); WinoGrande acc (its options share one continuation, "
+             "so length normalisation is a no-op)",
     "lm_eval": "zero-shot, lm-eval's letter-choice MMLU (acc), WinoGrande acc, ARC/PIQA/HellaSwag/OpenBookQA acc_norm",
 }
 # Both metrics are computed for every task (lm-eval's winogrande and letter-MMLU files list acc only).
@@ -192,11 +198,12 @@ def evaluate(
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from lm_eval.models.huggingface import HFLM
+    from transmla.evaluation.scoring import SharedContextLM
 
     mmlu_form, _ = PROTOCOLS[protocol]
     t0 = time.perf_counter()
-    lm = HFLM(pretrained=model_path, dtype=dtype, device=device, batch_size=batch_size)  # loaded once
+    # lm-eval's HF model, loaded once, scoring each context's choices in one packed sequence
+    lm = SharedContextLM(pretrained=model_path, dtype=dtype, device=device, batch_size=batch_size)
     raw: dict = {"results": {}, "samples": {}}
     per_task = {}
     with tempfile.TemporaryDirectory(prefix="transmla-tasks-") as tdir:
