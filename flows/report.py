@@ -40,7 +40,9 @@ def report(profile: Profile) -> str:
     rows = rows_of(profile)
     ev = profile.evaluation
     limit = ("all docs" if ev.limit is None else
-             f"the same seeded sample of {ev.limit} docs per benchmark for every row (MMLU stratified by subject)")
+             f"the same seeded sample of {ev.limit} docs per benchmark"
+             + "".join(f" ({t}: {k})" for t, k in sorted(ev.limits.items()))
+             + " for every row (MMLU stratified by subject)")
     ppl_tokens = sorted({r["ppl_tokens"] for r in rows})
     notes = [
         f"Benchmarks (lm-eval): {PROTOCOL_NOTE[ev.protocol]}; {limit}. Accuracy in % ± its standard error; "

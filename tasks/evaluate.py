@@ -32,9 +32,10 @@ def case_study(model: dict, new_tokens: int = 24, dtype: str = "float32", device
 
 @cached_task("benchmarks")
 def benchmarks(model: dict, data: list[dict], tasks: list[str], limit: int | None, batch_size: int = 8,
-               seed: int = 1234, dtype: str = "float32", device: str = "cpu", protocol: str = "paper") -> dict:
+               seed: int = 1234, dtype: str = "float32", device: str = "cpu", protocol: str = "paper",
+               limits: dict[str, int] | None = None) -> dict:
     """lm-eval zero-shot on the local benchmark files -> ref to a dir with results.json + samples/."""
     d = task_dir()
     evaluate(model["path"], tasks=tuple(tasks), limit=limit, batch_size=batch_size, seed=seed, dtype=dtype,
-             device=device, out_dir=d, data_dir=data_dir_of(data[0]), protocol=protocol)
+             device=device, out_dir=d, data_dir=data_dir_of(data[0]), protocol=protocol, limits=limits)
     return dir_ref(d)

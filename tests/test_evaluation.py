@@ -84,6 +84,8 @@ def test_sampling_is_seeded_per_benchmark():
     assert p1 == stats.sample_plan(strata, 5, 0)
     assert p1["offline_piqa"] == stats.sample_plan({"piqa": strata["piqa"]}, 5, 0)["offline_piqa"]
     assert sum(len(v) for k, v in p1.items() if k.startswith("offline_mmlu_")) == 5
+    p2 = stats.sample_plan(strata, 5, 0, {"mmlu": 60})
+    assert sum(len(v) for k, v in p2.items() if k.startswith("offline_mmlu_")) == 60 and p2["offline_piqa"] == p1["offline_piqa"]
 
 
 def test_few_shot_from_the_scored_split_is_refused():

@@ -100,9 +100,14 @@ def cmd_eval(args) -> dict:
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     limit = None if args.limit in (None, 0) else args.limit
+    try:
+        limits = {k.strip(): int(v) for k, v in (x.split("=") for x in args.limits.split(",") if x.strip())}
+        EvaluationOptions(limits=limits)
+    except ValueError as e:
+        raise TransMLAError(f"--limits {args.limits!r}: {e}", "write it as BENCHMARK=N[,BENCHMARK=N], e.g. mmlu=400.") from None
     return evaluate(materialize(args.model, args.cache_dir), tasks=tasks, limit=limit, num_fewshot=args.num_fewshot,
                     batch_size=args.batch_size if str(args.batch_size).startswith("auto") else int(args.batch_size), seed=args.seed, dtype=args.dtype, device=args.device,
-                    out_dir=args.out, data_dir=args.data_dir, protocol=args.protocol)
+                    out_dir=args.out, data_dir=args.data_dir, protocol=args.protocol, limits=limits)
 
 
 def cmd_finetune(args) -> dict:
@@ -233,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tasks", default=",".join(EV["tasks"].default), help="comma list (default all six Table-1 benchmarks)")
     e.add_argument("--limit", type=int, default=EV["limit"].default,
                    help="docs per benchmark (MMLU: in all, stratified by subject), a seeded random subset; default: all")
+    e.add_argument("--limits", default="", help="per-benchmark docs overriding --limit, e.g. mmlu=400")
     e.add_argument("--protocol", default=EV["protocol"].default, choices=["paper", "lm_eval"],
                    help="paper: cloze MMLU, acc_norm on every benchmark (the paper's); lm_eval: letter MMLU, acc for MMLU/WG")
     e.add_argument("--num-fewshot", type=int, default=0, help="few-shot examples (default 0, as in the paper)")

@@ -269,6 +269,7 @@ class EvaluationOptions(Options):
     # paper: cloze MMLU + acc_norm everywhere (the paper's and MHA2MLA's); lm_eval: letter MMLU, acc for MMLU/WG
     protocol: Literal["paper", "lm_eval"] = "paper"
     limit: int | None = Field(None, ge=1)  # docs per benchmark (MMLU: in all, stratified by subject); None: every doc
+    limits: dict[str, int] = {}  # benchmark -> its own number of docs (with a limit)
     batch_size: int = Field(8, ge=1)
     seed: int = 1234
 
@@ -278,4 +279,14 @@ class EvaluationOptions(Options):
         bad = [t for t in v if t not in BENCHMARKS]
         if bad:
             raise ValueError(f"unknown benchmarks {bad}; choose from {list(BENCHMARKS)}")
+        return v
+
+    @field_validator("limits")
+    @classmethod
+    def _limits(cls, v):
+        bad = [t for t in v if t not in BENCHMARKS]
+        if bad:
+            raise ValueError(f"limits names unknown benchmarks {bad}; choose from {list(BENCHMARKS)}")
+        if any(n < 1 for n in v.values()):
+            raise ValueError(f"limits must be positive numbers of docs, got {v}")
         return v

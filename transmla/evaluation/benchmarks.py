@@ -169,10 +169,12 @@ def evaluate(
     out_dir: str | Path | None = None,
     data_dir=None,
     protocol: str = "paper",
+    limits: dict[str, int] | None = None,
 ) -> dict:
     """Run lm-eval on a local HF model directory; return (and optionally write) a compact result.
 
-    limit: docs per benchmark (MMLU: in all, stratified over subjects), None: every doc.
+    limit: docs per benchmark (MMLU: in all, stratified over subjects), None: every doc; limits: benchmark ->
+    its own number of docs (with a limit).
     Result: {"tasks": {task: {"metric", "value", "se", "n", "acc", "acc_norm"}}, "arc_mean", "average"
     (with "arc_se", "average_se"; average only when all seven benchmarks ran), "scores" (task ->
     lm-eval task -> {doc index: score of the column metric}), "sizes", "protocol", "sampling", ...}.
@@ -209,7 +211,7 @@ def evaluate(
     with tempfile.TemporaryDirectory(prefix="transmla-tasks-") as tdir:
         write_task_yamls(tdir, tasks, data_dir, mmlu=mmlu_form, num_fewshot=num_fewshot)
         strata = task_strata(tasks, data_dir)
-        chosen = stats.sample_plan(strata, limit, seed)
+        chosen = stats.sample_plan(strata, limit, seed, limits)
         tm = TaskManager(include_path=tdir, include_defaults=True)
         for t in tasks:  # one benchmark at a time: a progress bar and a docs/s figure each
             # the lm-eval tasks with sampled docs (a stratified MMLU sample skips small subjects at small limits;
@@ -235,9 +237,10 @@ def evaluate(
     result = summarize(raw, tasks, strata, protocol)
     result["speed"] = per_task
     result.update({
-        "model": model_path, "limit": limit, "num_fewshot": num_fewshot, "seed": seed,
+        "model": model_path, "limit": limit, "limits": limits or {}, "num_fewshot": num_fewshot, "seed": seed,
         "sampling": ("all docs" if limit is None else
-                     f"{limit} docs per benchmark (MMLU: stratified by subject, proportional), each benchmark drawn "
+                     f"{limit} docs per benchmark{''.join(f', {t} {k}' for t, k in sorted((limits or {}).items()))} "
+                     "(MMLU: stratified by subject, proportional), each benchmark drawn "
                      f"without replacement by its own random.Random('{seed}/<task>')"),
         "lm_eval_version": lm_eval.__version__ if hasattr(lm_eval, "__version__") else None,
         "seconds": round(time.perf_counter() - t0, 1),

@@ -59,14 +59,16 @@ def allocate(sizes: dict[str, int], n: int) -> dict[str, int]:
     return out
 
 
-def sample_plan(strata: dict[str, dict[str, int]], n: int | None, seed: int) -> dict[str, list[int]] | None:
+def sample_plan(strata: dict[str, dict[str, int]], n: int | None, seed: int,
+                overrides: dict[str, int] | None = None) -> dict[str, list[int]] | None:
     """Document indices per lm-eval task. strata: benchmark -> {lm-eval task: number of docs} (MMLU: one
-    task per subject; the others: one task). n: docs per benchmark (None: every doc, no plan)."""
+    task per subject; the others: one task). n: docs per benchmark (None: every doc, no plan);
+    overrides: benchmark -> its own n."""
     if n is None:
         return None
     plan: dict[str, list[int]] = {}
     for bench, sizes in strata.items():
-        for task, k in sorted(allocate(sizes, n).items()):
+        for task, k in sorted(allocate(sizes, (overrides or {}).get(bench, n)).items()):
             plan[task] = sorted(task_rng(seed, task).sample(range(sizes[task]), k))
     return plan
 
