@@ -16,7 +16,7 @@ from prefect import flow
 
 from tasks import tracking
 from tasks.artifacts import load_json, publish
-from tasks.evaluate import benchmarks, perplexity
+from tasks.evaluate import benchmarks, case_study, perplexity
 from tasks.model import checkpoint_ref, dataset_ref, resolve_model
 from transmla.errors import TransMLAError
 from tasks.report import table_row, tracked_metrics
@@ -32,9 +32,11 @@ def evaluate_ref(profile: Profile, model_ref: dict, dtype: str = "float32") -> d
     ev = profile.evaluation
     ppl = perplexity(model_ref, dataset_ref(ev.ppl_dataset), ev.ppl_seqlen, ev.ppl_max_tokens, dtype, profile.device)
     data = [dataset_ref(n) for t in ev.tasks for n in BENCHMARK_DATA[t]]
-    bench = benchmarks(model_ref, data, list(ev.tasks), ev.limit, ev.batch_size, ev.seed, dtype, profile.device)
+    bench = benchmarks(model_ref, data, list(ev.tasks), ev.limit, ev.batch_size, ev.seed, dtype, profile.device,
+                       ev.protocol, dict(ev.limits))
+    cases = case_study(model_ref, dtype=dtype, device=profile.device)
     return {"ppl": load_json(ppl), "benchmarks": json.loads((Path(bench["path"]) / "results.json").read_text()),
-            "bench_ref": bench}
+            "bench_ref": bench, "case_study": load_json(cases)["rows"]}
 
 
 def model_under_test(profile: Profile, model: str, method: str, budget: float | None, checkpoint: str | None,
@@ -57,6 +59,7 @@ def evaluate(profile: Profile, model: str, method: str, budget: float | None = N
     model_ref, conversion = model_under_test(profile, model, method, budget, checkpoint, finetuned)
     ev = evaluate_ref(profile, model_ref, profile.model(model).dtype)
     row = table_row(model, method, budget, ev["ppl"], ev["benchmarks"], conversion, profile.evaluation.limit)
+    row["case_study"] = ev["case_study"]
     write_text_atomic(out or layout.metrics_file(model, method, budget, finetuned), json.dumps(row, indent=2))
     publish(ev["bench_ref"], layout.eval_dir(model, method, budget, finetuned))  # per-sample logs
     tracking.track(profile.mlflow.experiment, model, method, budget, finetuned=finetuned,

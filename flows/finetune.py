@@ -30,7 +30,7 @@ def finetune(profile: Profile, model: str, method: str, budget: float, checkpoin
              out: str | None = None) -> dict:
     ft = profile.finetune
     src = checkpoint_ref(checkpoint or layout.checkpoint_dir(model, method, budget), "convert")
-    teacher = resolve_model(profile.model(model).source) if ft.objective != "lm" else None  # the original model
+    teacher = resolve_model(profile.model(model).source) if ft.needs_teacher else None  # the original model
     ref = finetune_checkpoint(src, [dataset_ref(c) for c in ft.corpora], ft.config(profile.device), ft.max_documents,
                               teacher)
     dest = publish(ref, out or layout.finetuned_dir(model, method, budget))

@@ -59,5 +59,9 @@ def figures_dir(model: str) -> Path:
     return REPORTS / "figures" / model
 
 
+def case_study_file() -> Path:
+    return REPORTS / "case_study.md"
+
+
 def table_file() -> Path:
     return REPORTS / "table1.md"

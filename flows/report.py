@@ -10,8 +10,9 @@ import json
 from prefect import flow
 
 from tasks import tracking
-from tasks.report import table1
+from tasks.report import case_study, table1
 from transmla.errors import TransMLAError
+from transmla.evaluation.benchmarks import PROTOCOL_NOTE
 
 from . import _cli, layout
 from .params import Profile
@@ -38,11 +39,15 @@ def rows_of(profile: Profile) -> list[dict]:
 def report(profile: Profile) -> str:
     rows = rows_of(profile)
     ev = profile.evaluation
-    limit = "all docs" if ev.limit is None else f"a seeded sample of {ev.limit} docs per task (per MMLU subject)"
+    limit = ("all docs" if ev.limit is None else
+             f"the same seeded sample of {ev.limit} docs per benchmark"
+             + "".join(f" ({t}: {k})" for t, k in sorted(ev.limits.items()))
+             + " for every row (MMLU stratified by subject)")
     ppl_tokens = sorted({r["ppl_tokens"] for r in rows})
     notes = [
-        f"Benchmarks: lm-eval zero-shot, {limit}; accuracy in % (MMLU and WG: acc; ARC = mean of ARC-Easy and "
-        "ARC-Challenge acc_norm; PIQA, HS, OBQA: acc_norm). Avg. = mean of the six columns.",
+        f"Benchmarks (lm-eval): {PROTOCOL_NOTE[ev.protocol]}; {limit}. Accuracy in % ± its standard error; "
+        "ARC = mean of ARC-Easy and ARC-Challenge; Avg. = mean of the six columns; 'vs original' = the paired "
+        "difference of Avg. to the same model's original row on the same documents ± its standard error.",
         f"WikiText-2 test perplexity over {', '.join(f'{t:,}' for t in ppl_tokens)} tokens in "
         f"{ev.ppl_seqlen}-token windows.",
         "KV Mem. = change of the per-token KV cache (original: 2 x kv_heads x head_dim values per layer; "
@@ -64,7 +69,9 @@ def report(profile: Profile) -> str:
         notes.append(
             f"Fine-tune ({ft.mode}, transformers Trainer): {', '.join(ft.corpora)} packed into {ft.seqlen}-token "
             f"blocks, batch {ft.batch_size} x {ft.grad_accum}, lr {ft.lr:g} {ft.schedule} (warmup {ft.warmup_ratio:g}), "
-            f"{ft.dtype}, objective {ft.objective}{kd}; validation split by document; loss curves in reports/plots/."
+            f"{ft.dtype}, objective {ft.objective}{kd}"
+            + (f" + {ft.attn_weight:g} x per-layer attention matching to the original" if ft.attn_weight > 0 else "")
+            + "; validation split by document; loss curves in reports/plots/."
             + (" WikiText-2 train is one of the corpora, so part of the perplexity gain is in-domain adaptation, "
                "not only recovery." if "wikitext2-train" in ft.corpora else ""))
     figs = {}
@@ -72,9 +79,12 @@ def report(profile: Profile) -> str:
         f = layout.REPORTS / "metrics" / model / "figures.json"
         if f.is_file():
             figs[model] = list(json.loads(f.read_text())["files"].values())
-    text = table1(rows, figs, notes, layout.table_file())
+    text = table1(rows, figs, notes + ["Case study (the paper's Table 6): [case_study.md](case_study.md); decode "
+                                       "throughput (Table 5): reports/throughput/."], layout.table_file())
+    case_study(rows, layout.case_study_file())
     for model in profile.pipeline.models:
-        tracking.log_files(profile.mlflow.experiment, model, [layout.table_file(), *figs.get(model, [])])
+        tracking.log_files(profile.mlflow.experiment, model,
+                           [layout.table_file(), layout.case_study_file(), *figs.get(model, [])])
     return text
 
 

@@ -13,6 +13,7 @@ Runs:
   lm         next-token cross-entropy, --max-tokens tokens
   kd         KL from the original model, --max-tokens tokens
   kd+lm      both
+  kd_attn    kd + per-layer attention matching (--attn-weight 1); kd+lm_attn likewise
   lm_time    cross-entropy for as long as the kd run took (the teacher's forward costs time)
   kd_no_wt2  kd without WikiText-2 train in the corpora
 Rows already in the JSON with the same protocol are kept (resumable); a time taken beside other work
@@ -41,12 +42,15 @@ from transmla.io.sources import load_model  # noqa: E402
 from transmla.runtime.fast_attention import use_causal_padded_sdpa  # noqa: E402
 
 DATASETS = ("wikitext2-test", "c4-demo")
-RUNS = {  # name -> (objective, corpora filter, label)
-    "lm": ("lm", None, "lm (next-token cross-entropy)"),
-    "kd": ("kd", None, "kd (distillation from the original)"),
-    "kd+lm": ("kd+lm", None, "kd + lm"),
-    "lm_time": ("lm", None, "lm, as long as kd took"),
-    "kd_no_wt2": ("kd", "wikitext2-train", "kd, WikiText-2 train left out"),
+ATTN = ["--attn-weight", "1"]
+RUNS = {  # name -> (objective, corpora filter, label, more finetune flags)
+    "lm": ("lm", None, "lm (next-token cross-entropy)", []),
+    "kd": ("kd", None, "kd (distillation from the original)", []),
+    "kd+lm": ("kd+lm", None, "kd + lm", []),
+    "kd_attn": ("kd", None, "kd + per-layer attention matching", ATTN),
+    "kd+lm_attn": ("kd+lm", None, "kd + lm + per-layer attention matching", ATTN),
+    "lm_time": ("lm", None, "lm, as long as kd took", []),
+    "kd_no_wt2": ("kd", "wikitext2-train", "kd, WikiText-2 train left out", []),
 }
 
 
@@ -123,7 +127,7 @@ def main() -> None:
         for name in runs:
             if name in done:
                 continue
-            objective, drop, label = RUNS[name]
+            objective, drop, label, extra = RUNS[name]
             corpora = [c for c in FINETUNE_CORPORA if c != drop]
             tokens = args.max_tokens
             if name == "lm_time":
@@ -134,10 +138,11 @@ def main() -> None:
                 tokens = int(kd["seconds"] * lm["tokens_per_second"])
             r = run_cli(["finetune", "--model", str(ckpt), "--out", str(Path(tmp) / name), "--teacher", args.model,
                          "--objective", objective, "--corpora", ",".join(corpora), "--max-tokens", str(tokens),
-                         *args.finetune_args])
+                         *extra, *args.finetune_args])
             row = {"run": name, "label": label, "corpora": corpora, **{k: r[k] for k in (
                 "objective", "tokens_trained", "tokens_per_second", "peak_rss_gib", "val_loss_before", "val_loss_after",
                 "val_kd_before", "val_kd_after", "train_loss")}, "seconds": r["seconds_this_run"],
+                **{k: r.get(k) for k in ("val_attn_before", "val_attn_after")},
                 **ppl(load_model(r["out"], dtype="float32")[0])}
             res["rows"].append(row)
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,11 +20,22 @@ def perplexity(model: dict, data: dict, seqlen: int = 2048, max_tokens: int | No
     return save_json("ppl", dataset_perplexity(m, tok, data["name"], seqlen, max_tokens, data_dir_of(data)))
 
 
+@cached_task("case_study")
+def case_study(model: dict, new_tokens: int = 24, dtype: str = "float32", device: str = "cpu") -> dict:
+    """Greedy continuations of the paper's case-study prompts (Table 6) -> ref to [{prompt, continuation, ...}]."""
+    from transmla.evaluation.prompts import case_study as run
+    from transmla.io.sources import load_model
+
+    m, tok = load_model(model["path"], dtype=dtype, device=device)
+    return save_json("case_study", {"rows": run(m, tok, new_tokens=new_tokens)})
+
+
 @cached_task("benchmarks")
 def benchmarks(model: dict, data: list[dict], tasks: list[str], limit: int | None, batch_size: int = 8,
-               seed: int = 1234, dtype: str = "float32", device: str = "cpu") -> dict:
+               seed: int = 1234, dtype: str = "float32", device: str = "cpu", protocol: str = "paper",
+               limits: dict[str, int] | None = None) -> dict:
     """lm-eval zero-shot on the local benchmark files -> ref to a dir with results.json + samples/."""
     d = task_dir()
     evaluate(model["path"], tasks=tuple(tasks), limit=limit, batch_size=batch_size, seed=seed, dtype=dtype,
-             device=device, out_dir=d, data_dir=data_dir_of(data[0]))
+             device=device, out_dir=d, data_dir=data_dir_of(data[0]), protocol=protocol, limits=limits)
     return dir_ref(d)

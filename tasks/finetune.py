@@ -40,13 +40,14 @@ def finetune_checkpoint(model: dict, corpora: list[dict], config: dict, max_docu
     return model_ref(d / "model", content_hash(d / "model"), finetune=summary)
 
 
-CURVES = {"train_loss": "loss", "train_lm": "lm_loss", "train_kd": "kd_loss", "val_loss": "eval_loss",
-          "val_kd": "eval_kd", "learning_rate": "learning_rate"}
+CURVES = {"train_loss": "loss", "train_lm": "lm_loss", "train_kd": "kd_loss", "train_attn": "attn_loss",
+          "val_loss": "eval_loss", "val_kd": "eval_kd", "val_attn": "eval_attn", "learning_rate": "learning_rate"}
 
 
 def loss_curves(log_history: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """Trainer log history -> {"train_loss": [(step, loss)], "train_lm", "train_kd" (the objective's parts),
-    "val_loss" (cross-entropy), "val_kd" (KL to the teacher), "learning_rate"}; curves never logged are left out
+    """Trainer log history -> {"train_loss": [(step, loss)], "train_lm", "train_kd", "train_attn" (the objective's
+    parts), "val_loss" (cross-entropy), "val_kd" (KL to the teacher), "val_attn" (attention matching),
+    "learning_rate"}; curves never logged are left out
     (an lm run has no KD curves)."""
     curves = {name: [(h["step"], h[k]) for h in log_history if k in h] for name, k in CURVES.items()}
     return {k: v for k, v in curves.items() if v or k in ("train_loss", "val_loss", "learning_rate")}

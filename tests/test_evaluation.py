@@ -7,41 +7,90 @@ import sys
 import pytest
 
 from transmla.errors import TransMLAError
-from transmla.evaluation.benchmarks import TASKS, evaluate, mmlu_subjects, sample_indices, write_task_yamls
+from transmla.evaluation import stats
+from transmla.evaluation.benchmarks import (TASKS, evaluate, mmlu_subjects, paired_columns, task_strata,
+                                           write_task_yamls)
 
 
 @pytest.fixture(scope="module")
 def tiny_eval(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval")
-    return evaluate(str(tiny_model_dir), limit=2, batch_size=4, out_dir=out), out
+    return evaluate(str(tiny_model_dir), limit=3, batch_size=4, out_dir=out), out
+
+
+def _samples(out, task):
+    return [json.loads(line) for line in open(out / "samples" / f"{task}.jsonl")]
 
 
 def test_result_structure_and_counts(tiny_eval):
     res, out = tiny_eval
     assert set(res["tasks"]) == set(TASKS)
-    n_subjects = len(mmlu_subjects())
-    assert n_subjects == 57
+    assert len(mmlu_subjects()) == 57
+    assert res["protocol"] == "paper"
     for t, e in res["tasks"].items():
-        assert e["metric"] in e and 0.0 <= e["value"] <= 1.0 and e["stderr"] is not None
-        assert e["n"] == (2 * n_subjects if t == "mmlu" else 2)
-        assert e["acc"] is not None
+        assert e["metric"] == ("acc" if t == "winogrande" else "acc_norm") and 0.0 <= e["value"] <= 1.0 and e["se"] >= 0
+        assert e["n"] == 3  # MMLU too: 3 docs in all, stratified over subjects
+        assert sum(len(v) for v in res["scores"][t].values()) == 3
+        assert res["speed"][t]["docs"] == 3
+    # the scored documents are the planned ones (lm-eval's doc_id is the index in the local file)
+    plan = stats.sample_plan(task_strata(TASKS, None), 3, 1234)
+    for t in TASKS:
+        assert {k: sorted(map(int, v)) for k, v in res["scores"][t].items() if v} == {
+            k: plan[k] for k in res["sizes"][t] if plan[k]}
     assert res["arc_mean"] == pytest.approx((res["tasks"]["arc_easy"]["value"] + res["tasks"]["arc_challenge"]["value"]) / 2)
-    assert res["limit"] == 2 and "random.Random(1234)" in res["sampling"]
+    cols = [res["tasks"][t]["value"] for t in ("mmlu", "piqa", "hellaswag", "openbookqa", "winogrande")]
+    assert res["average"] == pytest.approx((sum(cols) + res["arc_mean"]) / 6) and res["average_se"] > 0
+    assert res["limit"] == 3 and "random.Random('1234/<task>')" in res["sampling"]
+    assert res["docs_per_second"] > 0
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk["tasks"].keys() == res["tasks"].keys()
     # lm-eval's per-sample log: one line per evaluated doc, with the model's responses
     for t in TASKS:
-        rows = [json.loads(line) for line in open(out / "samples" / f"{t}.jsonl")]
+        rows = _samples(out, t)
         assert len(rows) == res["tasks"][t]["n"]
         assert all("resps" in r and "doc" in r for r in rows)
 
 
-def test_sampling_is_seeded_and_bounded():
-    sizes = {"a": 10, "b": 3}
-    s1, s2 = sample_indices(sizes, 5, 0), sample_indices(sizes, 5, 0)
-    assert s1 == s2 and len(s1["a"]) == 5 and s1["b"] == [0, 1, 2]
-    assert sample_indices(sizes, 5, 1) != s1
-    assert sample_indices(sizes, None, 0) is None
+def test_cloze_mmlu_scores_the_answer_texts_and_the_table_reads_acc_norm(tiny_eval):
+    """Paper protocol: each MMLU choice is the answer's text as a continuation of the question (no letters
+    shown), and the per-document score the table reads is that sample's acc_norm."""
+    res, out = tiny_eval
+    rows = _samples(out, "mmlu")
+    for r in rows:
+        ctx = [a[0] for a in r["arguments"]]
+        conts = [a[1] for a in r["arguments"]]
+        assert conts == [" " + c for c in r["doc"]["choices"]]
+        assert all("Question: " in c and c.endswith("Answer:") and "\nA. " not in c for c in ctx)
+        assert res["scores"]["mmlu"]["offline_" + r["task"]][str(r["doc_id"])] == r["acc_norm"]
+
+
+def test_letter_protocol_and_paired_differences(tiny_model_dir, tiny_eval, tmp_path):
+    """lm-eval's protocol: letters as choices, acc; the same sample again scores identically, so its
+    paired difference to the first run is exactly zero."""
+    res, _ = tiny_eval
+    letter = evaluate(str(tiny_model_dir), tasks=["mmlu"], limit=3, batch_size=4, protocol="lm_eval", out_dir=tmp_path)
+    rows = _samples(tmp_path, "mmlu")
+    assert [[a[1] for a in r["arguments"]] for r in rows] == [[" A", " B", " C", " D"]] * 3
+    assert letter["tasks"]["mmlu"]["metric"] == "acc" and letter["average"] is None  # one benchmark: no average
+    assert set(letter["scores"]["mmlu"]) == set(res["scores"]["mmlu"])  # the same documents as the paper run
+    d = paired_columns(res, res)
+    assert all(v["value"] == 0 and v["se"] == 0 for v in d.values()) and "average" in d
+
+
+def test_sampling_is_seeded_per_benchmark():
+    strata = task_strata(["piqa", "mmlu"], None)
+    assert sum(strata["mmlu"].values()) > 10_000
+    p1 = stats.sample_plan(strata, 5, 0)
+    assert p1 == stats.sample_plan(strata, 5, 0)
+    assert p1["offline_piqa"] == stats.sample_plan({"piqa": strata["piqa"]}, 5, 0)["offline_piqa"]
+    assert sum(len(v) for k, v in p1.items() if k.startswith("offline_mmlu_")) == 5
+    p2 = stats.sample_plan(strata, 5, 0, {"mmlu": 60})
+    assert sum(len(v) for k, v in p2.items() if k.startswith("offline_mmlu_")) == 60 and p2["offline_piqa"] == p1["offline_piqa"]
+
+
+def test_few_shot_from_the_scored_split_is_refused():
+    with pytest.raises(TransMLAError, match="few-shot split"):
+        evaluate("/nonexistent", tasks=["piqa"], num_fewshot=5)
 
 
 def test_yamls_use_absolute_local_paths(tmp_path):
@@ -50,6 +99,8 @@ def test_yamls_use_absolute_local_paths(tmp_path):
     assert "dataset_path: json" in text and "arc_easy_test.jsonl" in text and '"/' in text
     assert "include:" in text and "lm_eval/tasks/arc/arc_easy.yaml" in text
     assert len(list(tmp_path.glob("offline_mmlu_*.yaml"))) == 57
+    assert "mmlu/continuation/mmlu_anatomy.yaml" in (tmp_path / "offline_mmlu_anatomy.yaml").read_text()  # cloze
+    assert "num_fewshot: 0" in text and "metric: acc_norm" in text
 
 
 def test_missing_data_file_names_file_and_setting(tmp_path, monkeypatch):

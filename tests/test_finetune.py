@@ -368,3 +368,49 @@ def test_cli_distils_and_refuses_kd_without_a_teacher(cut, sharp, tmp_path):
     res = json.loads(ok.stdout)
     assert res["objective"] == "kd" and res["val_kd_after"] is not None and res["peak_rss_gib"] > 0
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "ok")).__name__ == "DeepseekV3ForCausalLM"
+
+
+# ---------------------------------------------------------------- per-layer attention matching
+
+def test_attention_match_is_zero_for_a_lossless_conversion(tiny_model_dir, blocks, tmp_path):
+    """Each converted layer's attention output equals the original layer's on the same input (lossless):
+    the hooks feed the teacher the student's input with the teacher's own RoPE, one term per layer."""
+    from transmla.training.distill import AttentionMatch
+
+    lossless = tmp_path / "lossless"
+    convert(str(tiny_model_dir), lossless, ConvertOptions(lossless=True, cal_nsamples=8, cal_seqlen=64, cal_batch_size=4),
+            progress=False)
+    model, _ = load_model(str(lossless))
+    teacher = _teacher(tiny_model_dir)
+    match = AttentionMatch(model, teacher)
+    with torch.no_grad(), match:
+        model(blocks[1][:2], use_cache=False)
+    assert len(match.terms) == model.config.num_hidden_layers
+    assert match.loss().item() < 1e-8
+    model(blocks[1][:1], use_cache=False)  # outside the block: nothing recorded
+    assert match.terms == []
+    match.remove()
+
+
+def test_attention_matching_lowers_the_attention_error(cut, blocks, sharp, tmp_path):
+    """kd + attention matching (weighted to dominate): the validation attention error falls, the curve is logged, the saved
+    checkpoint is stock DeepseekV3; activation checkpointing's recompute adds no terms (same run)."""
+    cfg = _cfg(objective="kd", kd_temperature=2.0, attn_weight=100.0, lr=3e-4, max_tokens=8 * 4 * 64)
+    model, tok = load_model(str(cut))
+    record = finetune(model, blocks[0], blocks[1], cfg, str(tmp_path / "a"), teacher=_teacher(sharp))
+    assert record["val_attn_after"] < 0.9 * record["val_attn_before"]
+    assert [h["attn_loss"] for h in record["log_history"] if "attn_loss" in h]
+    model_gc, _ = load_model(str(cut))
+    record_gc = finetune(model_gc, blocks[0], blocks[1], cfg.model_copy(update={"gradient_checkpointing": True}),
+                         str(tmp_path / "b"), teacher=_teacher(sharp))
+    assert record_gc["val_attn_after"] == pytest.approx(record["val_attn_after"], rel=1e-3)
+    out = save_finetuned(model, tok, tmp_path / "ft", record)
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded).__name__ == "DeepseekV3ForCausalLM"
+    assert latent_norm_identity_error(loaded, blocks[1][:2]) < 1e-5
+
+
+def test_attention_matching_needs_the_teacher(converted, blocks, tmp_path):
+    model, _ = load_model(str(converted))
+    with pytest.raises(TransMLAError, match="attn_weight"):
+        finetune(model, blocks[0], blocks[1], _cfg(attn_weight=0.5), str(tmp_path))

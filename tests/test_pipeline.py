@@ -466,6 +466,12 @@ def test_paper_flow_end_to_end(tmp_path, tiny_dir, monkeypatch):
     rows = [line for line in text.splitlines() if line.startswith("| e2e |")]
     assert [r.split("|")[2].strip() for r in rows] == ["Original", "MHA2MLA", "TransMLA", "TransMLA"]
     assert [r.split("|")[-3].strip() for r in rows] == ["0", "0", "0", f"{6 * 4 * 64:,} (lm)"]  # Tokens (objective)
+    # the paper's Table 6: every evaluated row's continuations of the four case-study prompts
+    cs = (tmp_path / "reports/case_study.md").read_text().splitlines()
+    assert "`The capital of France is`" in cs[next(i for i, x in enumerate(cs) if x == "## e2e") + 2]
+    assert [x.split("|")[1].strip().split(",")[0] for x in cs if x.startswith("| Original") or x.startswith("| MHA2MLA")
+            or x.startswith("| TransMLA")] == ["Original", "MHA2MLA", "TransMLA", "TransMLA"]
+    assert sum("fine-tuned" in x for x in cs) == 1
     for f in ("fig4a_key_norms", "fig4b_rope_removal", "fig5_bkv"):
         assert (tmp_path / f"reports/figures/e2e/{f}.png").read_bytes()[:4] == b"\x89PNG"
     fig = json.loads((tmp_path / "reports/metrics/e2e/figures.json").read_text())

@@ -181,3 +181,24 @@ def test_advance_after_refit_reuses_the_latents_correctly(tiny):
     fresh.advance(0, refit, s)
     for a, b in zip(reused.h, fresh.h):
         assert torch.allclose(a, b, atol=1e-5 * b.abs().max())
+
+
+@pytest.mark.parametrize("max_scores", [1 << 25, 3 * 2 * 16 * 16])  # one chunk of heads; chunks of 3 heads
+def test_shared_key_attention_matches_sdpa(max_scores):
+    from transmla.pipeline.stream import shared_key_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, h, T, e, r = 2, 7, 16, 12, 5
+    q, key, value = torch.randn(B, h, T, e, generator=g), torch.randn(B, T, e, generator=g), torch.randn(B, T, r, generator=g)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, key[:, None].expand(B, h, T, e), value[:, None].expand(B, h, T, r), is_causal=True, scale=0.3)
+    got = shared_key_attention(q, key, value, 0.3, max_scores)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 5, 9])
+def test_gram_is_x_transpose_x(n):
+    from transmla.method.linalg import gram
+
+    x = torch.randn(50, n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    torch.testing.assert_close(gram(x), x.T @ x)

@@ -29,6 +29,8 @@ FINETUNE_HELP = {
     "objective": "lm: next-token cross-entropy; kd: distil from --teacher (KL of its next-token distribution); kd+lm: both",
     "kd_temperature": "softmax temperature of the KL (the loss is scaled by its square)",
     "kd_weight": "weight of kd in kd+lm",
+    "attn_weight": "add this times per-layer attention matching (each converted layer's attention output vs the "
+                   "original's on the same input; needs --teacher)",
     "teacher_dtype": "dtype of the teacher's forward (no gradients)",
     "loss_chunk": "positions per output-head chunk of the loss (logits never held for the whole batch)",
     "gradient_checkpointing": "recompute each decoder layer in backward (less memory, ~30%% more time)",
@@ -98,9 +100,14 @@ def cmd_eval(args) -> dict:
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     limit = None if args.limit in (None, 0) else args.limit
+    try:
+        limits = {k.strip(): int(v) for k, v in (x.split("=") for x in args.limits.split(",") if x.strip())}
+        EvaluationOptions(limits=limits)
+    except ValueError as e:
+        raise TransMLAError(f"--limits {args.limits!r}: {e}", "write it as BENCHMARK=N[,BENCHMARK=N], e.g. mmlu=400.") from None
     return evaluate(materialize(args.model, args.cache_dir), tasks=tasks, limit=limit, num_fewshot=args.num_fewshot,
                     batch_size=args.batch_size if str(args.batch_size).startswith("auto") else int(args.batch_size), seed=args.seed, dtype=args.dtype, device=args.device,
-                    out_dir=args.out, data_dir=args.data_dir)
+                    out_dir=args.out, data_dir=args.data_dir, protocol=args.protocol, limits=limits)
 
 
 def cmd_finetune(args) -> dict:
@@ -113,9 +120,10 @@ def cmd_finetune(args) -> dict:
     from transmla.runtime.memory import peak_rss_bytes
 
     cfg = FinetuneConfig(**{k: getattr(args, k) for k in FinetuneConfig.model_fields})
-    if cfg.objective != "lm" and not args.teacher:
-        raise TransMLAError(f"--objective {cfg.objective} distils from the original model.",
-                            "pass --teacher SOURCE (the model you converted), or use --objective lm.")
+    if cfg.needs_teacher and not args.teacher:
+        what = f"--objective {cfg.objective}" if cfg.objective != "lm" else f"--attn-weight {cfg.attn_weight:g}"
+        raise TransMLAError(f"{what} distils from the original model.",
+                            "pass --teacher SOURCE (the model you converted), or use --objective lm --attn-weight 0.")
     out = new_output_dir(args.out)  # fail before hours of training, not after
     model, tok = load_model(args.model, dtype="float32", device=args.device, cache=args.cache_dir)
     teacher = None  # with --objective lm a teacher only scores: the validation KL, for comparing objectives
@@ -126,7 +134,8 @@ def cmd_finetune(args) -> dict:
     work = Path(args.work_dir) if args.work_dir else out.with_name(f".{out.name}.trainer")
     with contextlib.redirect_stdout(sys.stderr):  # Trainer prints its logs; stdout stays the result's JSON
         record = finetune_on_corpora(model, tok, docs, cfg, work, out, teacher=teacher)
-    keys = ("objective", "val_loss_before", "val_loss_after", "val_kd_before", "val_kd_after", "train_loss", "steps",
+    keys = ("objective", "val_loss_before", "val_loss_after", "val_kd_before", "val_kd_after", "val_attn_before",
+            "val_attn_after", "train_loss", "steps",
             "tokens_trained", "resumed_from", "seconds_this_run", "tokens_per_second", "params")
     return {"out": str(out), **{k: record[k] for k in keys}, "peak_rss_gib": round(peak_rss_bytes() / 2**30, 3)}
 
@@ -228,7 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", default=DEFAULT_SOURCE, help=SOURCE_HELP)
     e.add_argument("--tasks", default=",".join(EV["tasks"].default), help="comma list (default all six Table-1 benchmarks)")
     e.add_argument("--limit", type=int, default=EV["limit"].default,
-                   help="docs per task (per MMLU subject), a seeded random subset; default: all")
+                   help="docs per benchmark (MMLU: in all, stratified by subject), a seeded random subset; default: all")
+    e.add_argument("--limits", default="", help="per-benchmark docs overriding --limit, e.g. mmlu=400")
+    e.add_argument("--protocol", default=EV["protocol"].default, choices=["paper", "lm_eval"],
+                   help="paper: cloze MMLU, acc_norm on every benchmark (the paper's); lm_eval: letter MMLU, acc for MMLU/WG")
     e.add_argument("--num-fewshot", type=int, default=0, help="few-shot examples (default 0, as in the paper)")
     e.add_argument("--batch-size", default=str(EV["batch_size"].default), help="lm-eval batch size (int or 'auto')")
     e.add_argument("--seed", type=int, default=EV["seed"].default, help="seed for sampling and lm-eval")

@@ -239,9 +239,16 @@ class FinetuneConfig(Options):
     objective: Literal["lm", "kd", "kd+lm"] = "lm"
     kd_temperature: float = Field(1.0, gt=0)  # softens both distributions; the loss is scaled by tau^2
     kd_weight: float = Field(1.0, ge=0)  # kd+lm = kd_weight * kd + lm
+    # + attn_weight * per-layer attention matching (the converted layer's attention output vs the
+    # original's on the same input, relative squared error, mean over layers); > 0 needs the teacher
+    attn_weight: float = Field(0.0, ge=0)
     teacher_dtype: Literal["float32", "bfloat16"] = "float32"  # the teacher's forward (no gradients)
     loss_chunk: int = Field(1024, ge=1)  # positions per output-head chunk: logits never held for the whole batch
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
+
+    @property
+    def needs_teacher(self) -> bool:
+        return self.objective != "lm" or self.attn_weight > 0
 
     @property
     def tokens_per_step(self) -> int:
@@ -259,7 +266,10 @@ class EvaluationOptions(Options):
     ppl_seqlen: int = Field(2048, ge=2)
     ppl_max_tokens: int | None = Field(None, ge=2)  # None: the whole test set
     tasks: tuple[str, ...] = BENCHMARKS
-    limit: int | None = Field(None, ge=1)  # docs per task (per MMLU subject); None: full benchmarks
+    # paper: cloze MMLU + acc_norm everywhere (the paper's and MHA2MLA's); lm_eval: letter MMLU, acc for MMLU/WG
+    protocol: Literal["paper", "lm_eval"] = "paper"
+    limit: int | None = Field(None, ge=1)  # docs per benchmark (MMLU: in all, stratified by subject); None: every doc
+    limits: dict[str, int] = {}  # benchmark -> its own number of docs (with a limit)
     batch_size: int = Field(8, ge=1)
     seed: int = 1234
 
@@ -269,4 +279,14 @@ class EvaluationOptions(Options):
         bad = [t for t in v if t not in BENCHMARKS]
         if bad:
             raise ValueError(f"unknown benchmarks {bad}; choose from {list(BENCHMARKS)}")
+        return v
+
+    @field_validator("limits")
+    @classmethod
+    def _limits(cls, v):
+        bad = [t for t in v if t not in BENCHMARKS]
+        if bad:
+            raise ValueError(f"limits names unknown benchmarks {bad}; choose from {list(BENCHMARKS)}")
+        if any(n < 1 for n in v.values()):
+            raise ValueError(f"limits must be positive numbers of docs, got {v}")
         return v

@@ -5,7 +5,21 @@ overridden. At run time we write task YAMLs that `include:` the installed lm-eva
 `dataset_path: json` with absolute `data_files` pointing at the local JSONL mirror (relative paths
 would resolve against the working directory, not the YAML). MMLU becomes one task per subject
 (filtered from the single JSONL by a generated `process_docs`), with the dev split as few-shot pool,
-grouped with weight_by_size like lm-eval's own `mmlu` group.
+grouped with weight_by_size like lm-eval's own `mmlu` group. The model is lm-eval's HFLM, loaded
+once, with each context's choices scored in one packed sequence (transmla.evaluation.scoring: the
+same log-likelihoods, the context encoded once).
+
+Protocols (PROTOCOLS):
+    paper    what the paper (and MHA2MLA, whose task file it shares) scores: zero-shot, length-
+             normalised log-likelihood accuracy (acc_norm) on every benchmark, MMLU in cloze form
+             (lm-eval's mmlu_*_continuation: the question, then each answer text as a continuation;
+             no letters shown). WinoGrande's choices share one continuation, so its acc_norm = acc.
+    lm_eval  lm-eval's defaults: letter-choice MMLU scored by acc, WinoGrande by acc, the rest acc_norm.
+
+Sampling and uncertainty (transmla.evaluation.stats): `limit` docs per benchmark, each benchmark
+drawn with its own seeded generator, MMLU stratified over its 57 subjects in proportion to their
+sizes; every column carries its standard error and n, computed from the per-document scores, which
+the result keeps so methods scored on the same sample compare by paired differences.
 
 The paper's "ARC" column is the mean of ARC-Easy and ARC-Challenge (`arc_mean` here).
 """
@@ -14,16 +28,16 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
 
-from transmla.io.data import load_rows, local_path
+from transmla.config import BENCHMARKS as TASKS
 from transmla.errors import TransMLAError
+from transmla.evaluation import stats
+from transmla.io.data import load_rows, local_path
 from transmla.io.paths import write_text_atomic
 
-from transmla.config import BENCHMARKS as TASKS
 PREFIX = "offline_"
 
 # task -> (lm-eval YAML relative to lm_eval/tasks, {split: registry data set}, splits absent offline)
@@ -37,11 +51,24 @@ SINGLE = {
 }
 # The data sets each benchmark reads (they join an evaluation's cache key).
 BENCHMARK_DATA = {t: list(splits.values()) for t, (_, splits, _) in SINGLE.items()} | {"mmlu": ["mmlu_test", "mmlu_dev"]}
-# The metric each Table-1 column reports (acc_norm where lm-eval/MHA2MLA report it).
-COLUMN_METRIC = {
-    "mmlu": "acc", "arc_easy": "acc_norm", "arc_challenge": "acc_norm", "piqa": "acc_norm",
-    "hellaswag": "acc_norm", "openbookqa": "acc_norm", "winogrande": "acc",
+# protocol -> (MMLU form, the metric each Table-1 column reports)
+PROTOCOLS = {
+    # WinoGrande: both options score the same continuation (the text after the blank), so normalising by its
+    # length is a no-op and acc is the length-normalised accuracy; lm-eval's acc_norm there divides by the
+    # option's length, which is part of the context, not of what is scored.
+    "paper": ("cloze", {t: "acc" if t == "winogrande" else "acc_norm" for t in TASKS}),
+    "lm_eval": ("letter", {"mmlu": "acc", "arc_easy": "acc_norm", "arc_challenge": "acc_norm", "piqa": "acc_norm",
+                           "hellaswag": "acc_norm", "openbookqa": "acc_norm", "winogrande": "acc"}),
 }
+PROTOCOL_NOTE = {
+    "paper": "zero-shot, acc_norm (length-normalised log-likelihood accuracy), MMLU in cloze form (each answer "
+             "text scored as the continuation of the question); WinoGrande acc (its options share one continuation, "
+             "so length normalisation is a no-op)",
+    "lm_eval": "zero-shot, lm-eval's letter-choice MMLU (acc), WinoGrande acc, ARC/PIQA/HellaSwag/OpenBookQA acc_norm",
+}
+# Both metrics are computed for every task (lm-eval's winogrande and letter-MMLU files list acc only).
+METRIC_LIST = ("metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+               "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n")
 
 
 def _lm_eval_tasks_dir() -> Path:
@@ -59,14 +86,15 @@ def _q(path: Path) -> str:
     return json.dumps(str(path))  # a valid YAML double-quoted scalar
 
 
-def write_task_yamls(out_dir: str | Path, tasks=TASKS, data_dir=None) -> Path:
-    """Write the offline task YAMLs into out_dir; clear errors for missing data files."""
+def write_task_yamls(out_dir: str | Path, tasks=TASKS, data_dir=None, mmlu: str = "cloze", num_fewshot: int = 0) -> Path:
+    """Write the offline task YAMLs into out_dir (MMLU in `mmlu` form: cloze | letter; `num_fewshot` set in
+    each task's config, so lm-eval has nothing to override); clear errors for missing data files."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     base = _lm_eval_tasks_dir()
     for t in tasks:
         if t == "mmlu":
-            _write_mmlu(out, base, data_dir)
+            _write_mmlu(out, base, data_dir, mmlu, num_fewshot)
             continue
         if t not in SINGLE:
             raise TransMLAError(f"Unknown benchmark {t!r}.", f"choose from {', '.join(TASKS)}.")
@@ -76,11 +104,14 @@ def write_task_yamls(out_dir: str | Path, tasks=TASKS, data_dir=None) -> Path:
         (out / f"{PREFIX}{t}.yaml").write_text(
             f"include: {_q(base / rel)}\ntask: {PREFIX}{t}\ntag: transmla_offline\n"
             f"dataset_path: json\ndataset_name: null\ndataset_kwargs:\n  data_files:\n{files}\n{nulls}"
+            f"num_fewshot: {num_fewshot}\n{METRIC_LIST}"
         )
     return out
 
 
-def _write_mmlu(out: Path, base: Path, data_dir) -> None:
+def _write_mmlu(out: Path, base: Path, data_dir, form: str = "cloze", num_fewshot: int = 0) -> None:
+    if form not in ("cloze", "letter"):
+        raise TransMLAError(f"Unknown MMLU form {form!r}.", "use cloze (the paper's) or letter (lm-eval's mmlu).")
     test, dev = local_path("mmlu_test", data_dir), local_path("mmlu_dev", data_dir)
     subjects = mmlu_subjects()
     (out / "offline_mmlu_subjects.py").write_text(
@@ -89,40 +120,35 @@ def _write_mmlu(out: Path, base: Path, data_dir) -> None:
         "        return dataset.filter(lambda d: d[\"subject\"] == name)\n\n    return process_docs\n\n\n"
         + "".join(f"{s} = _subject({s!r})\n" for s in subjects)
     )
+    src = base / "mmlu" / ("continuation" if form == "cloze" else "default")  # same file names in both
     for s in subjects:
         (out / f"{PREFIX}mmlu_{s}.yaml").write_text(
-            f"include: {_q(base / 'mmlu' / 'default' / f'mmlu_{s}.yaml')}\n"
+            f"include: {_q(src / f'mmlu_{s}.yaml')}\n"
             f"task: {PREFIX}mmlu_{s}\ntag: {PREFIX}mmlu_tasks\n"
             f"dataset_path: json\ndataset_name: null\ndataset_kwargs:\n  data_files:\n"
             f"    test: {_q(test)}\n    dev: {_q(dev)}\n"
             f"process_docs: !function offline_mmlu_subjects.{s}\n"
+            f"num_fewshot: {num_fewshot}\n{METRIC_LIST}"
         )
+    metric = "acc_norm" if form == "cloze" else "acc"
     (out / f"{PREFIX}mmlu.yaml").write_text(
         f"group: {PREFIX}mmlu\ntask:\n  - {PREFIX}mmlu_tasks\naggregate_metric_list:\n"
-        "  - metric: acc\n    weight_by_size: true\nmetadata:\n  version: 2\n"
+        f"  - metric: {metric}\n    weight_by_size: true\nmetadata:\n  version: 2\n"
     )
 
 
-def _task_sizes(tasks, data_dir) -> dict[str, int]:
-    """Number of docs of each lm-eval task (MMLU: per subject) in the local files."""
-    sizes = {}
+def task_strata(tasks, data_dir) -> dict[str, dict[str, int]]:
+    """benchmark -> {lm-eval task: number of docs in the local files} (MMLU: one task per subject)."""
+    strata = {}
     for t in tasks:
         if t == "mmlu":
             counts: dict[str, int] = {}
             for r in load_rows("mmlu_test", data_dir):
                 counts[r["subject"]] = counts.get(r["subject"], 0) + 1
-            sizes.update({f"{PREFIX}mmlu_{s}": counts.get(s, 0) for s in mmlu_subjects()})
+            strata[t] = {f"{PREFIX}mmlu_{s}": counts.get(s, 0) for s in mmlu_subjects()}
         else:
-            sizes[PREFIX + t] = len(load_rows(next(iter(SINGLE[t][1].values())), data_dir))
-    return sizes
-
-
-def sample_indices(sizes: dict[str, int], limit: int | None, seed: int) -> dict[str, list[int]] | None:
-    """Seeded random subset of `limit` docs per task (all docs when limit is None)."""
-    if limit is None:
-        return None
-    rng = random.Random(seed)
-    return {t: sorted(rng.sample(range(n), min(limit, n))) for t, n in sorted(sizes.items())}
+            strata[t] = {PREFIX + t: len(load_rows(next(iter(SINGLE[t][1].values())), data_dir))}
+    return strata
 
 
 def _offline_env() -> None:
@@ -142,86 +168,147 @@ def evaluate(
     device: str = "cpu",
     out_dir: str | Path | None = None,
     data_dir=None,
+    protocol: str = "paper",
+    limits: dict[str, int] | None = None,
 ) -> dict:
     """Run lm-eval on a local HF model directory; return (and optionally write) a compact result.
 
-    Result: {"tasks": {task: {"metric", "value", "stderr", "n", "acc", "acc_stderr", ...}},
-    "arc_mean", "average", "limit", "sampling", ...}. With out_dir: results.json and
-    samples/<task>.jsonl (lm-eval's per-sample log).
+    limit: docs per benchmark (MMLU: in all, stratified over subjects), None: every doc; limits: benchmark ->
+    its own number of docs (with a limit).
+    Result: {"tasks": {task: {"metric", "value", "se", "n", "acc", "acc_norm"}}, "arc_mean", "average"
+    (with "arc_se", "average_se"; average only when all seven benchmarks ran), "scores" (task ->
+    lm-eval task -> {doc index: score of the column metric}), "sizes", "protocol", "sampling", ...}.
+    With out_dir: results.json and samples/<task>.jsonl (lm-eval's per-sample log).
     """
     _offline_env()
     tasks = tuple(tasks)
     for t in tasks:
         if t not in TASKS:
             raise TransMLAError(f"Unknown benchmark {t!r}.", f"choose from {', '.join(TASKS)}.")
+    if protocol not in PROTOCOLS:
+        raise TransMLAError(f"Unknown evaluation protocol {protocol!r}.", f"choose from {', '.join(PROTOCOLS)}.")
     if limit is not None and limit < 1:
         raise TransMLAError(f"limit={limit} must be positive.", "pass --limit N >= 1, or omit it for full runs.")
+    if num_fewshot and set(tasks) - {"mmlu"}:
+        # the offline files hold only the evaluation split of these: demonstrations would be drawn from the
+        # very documents being scored
+        raise TransMLAError(f"num_fewshot={num_fewshot}: the local data has a few-shot split only for MMLU (dev); "
+                            f"{', '.join(sorted(set(tasks) - {'mmlu'}))} would draw demonstrations from their test split.",
+                            "evaluate zero-shot (the paper's protocol), or pass --tasks mmlu for few-shot MMLU.")
     import tempfile
 
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    from transmla.evaluation.scoring import SharedContextLM
+
+    mmlu_form, _ = PROTOCOLS[protocol]
     t0 = time.perf_counter()
+    # lm-eval's HF model, loaded once, scoring each context's choices in one packed sequence
+    lm = SharedContextLM(pretrained=model_path, dtype=dtype, device=device, batch_size=batch_size)
+    raw: dict = {"results": {}, "samples": {}}
+    per_task = {}
     with tempfile.TemporaryDirectory(prefix="transmla-tasks-") as tdir:
-        write_task_yamls(tdir, tasks, data_dir)
-        sizes = _task_sizes(tasks, data_dir)
-        chosen = sample_indices(sizes, limit, seed)
+        write_task_yamls(tdir, tasks, data_dir, mmlu=mmlu_form, num_fewshot=num_fewshot)
+        strata = task_strata(tasks, data_dir)
+        chosen = stats.sample_plan(strata, limit, seed, limits)
         tm = TaskManager(include_path=tdir, include_defaults=True)
-        names = [f"{PREFIX}{t}" for t in tasks]
-        raw = lm_eval.simple_evaluate(
-            model="hf",
-            model_args={"pretrained": model_path, "dtype": dtype, "device": device},
-            tasks=names,
-            num_fewshot=num_fewshot,
-            batch_size=batch_size,
-            samples=chosen,
-            log_samples=True,
-            task_manager=tm,
-            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-        )
-    result = summarize(raw, tasks, sizes, chosen)
+        for t in tasks:  # one benchmark at a time: a progress bar and a docs/s figure each
+            # the lm-eval tasks with sampled docs (a stratified MMLU sample skips small subjects at small limits;
+            # a subject left out of `samples` would be scored in full)
+            names = [k for k in strata[t] if chosen is None or chosen[k]]
+            plan = None if chosen is None else {k: chosen[k] for k in names}
+            t1 = time.perf_counter()
+            out = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=names,
+                num_fewshot=None,  # set in each task's config: nothing to override (and warn about) per task
+                samples=plan,
+                log_samples=True,
+                task_manager=tm,
+                random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+            )
+            raw["results"].update(out["results"])
+            raw["samples"].update(out.get("samples", {}))
+            n = sum(len(out.get("samples", {}).get(k, [])) for k in names)
+            sec = time.perf_counter() - t1
+            per_task[t] = {"docs": n, "seconds": round(sec, 1), "docs_per_second": round(n / sec, 2) if sec else None}
+            print(f"[transmla] {t}: {n} docs in {sec:.0f} s ({n / max(sec, 1e-9):.1f} docs/s)", file=sys.stderr)
+    result = summarize(raw, tasks, strata, protocol)
+    result["speed"] = per_task
     result.update({
-        "model": model_path, "limit": limit, "num_fewshot": num_fewshot, "seed": seed,
+        "model": model_path, "limit": limit, "limits": limits or {}, "num_fewshot": num_fewshot, "seed": seed,
         "sampling": ("all docs" if limit is None else
-                     f"{limit} docs per task (per MMLU subject) drawn uniformly without replacement, random.Random({seed})"),
+                     f"{limit} docs per benchmark{''.join(f', {t} {k}' for t, k in sorted((limits or {}).items()))} "
+                     "(MMLU: stratified by subject, proportional), each benchmark drawn "
+                     f"without replacement by its own random.Random('{seed}/<task>')"),
         "lm_eval_version": lm_eval.__version__ if hasattr(lm_eval, "__version__") else None,
         "seconds": round(time.perf_counter() - t0, 1),
     })
+    docs = sum(e["n"] for e in result["tasks"].values())
+    result["docs_per_second"] = round(docs / result["seconds"], 2) if result["seconds"] else None
     if out_dir is not None:
         write_results(out_dir, result, raw)
     return result
 
 
-def summarize(raw: dict, tasks, sizes: dict[str, int], chosen) -> dict:
-    res = raw["results"]
-    out: dict = {"tasks": {}}
+def doc_scores(raw: dict, strata: dict[str, dict[str, int]], metric: dict[str, str]) -> dict[str, dict[str, dict[int, float]]]:
+    """Per-document scores of each benchmark's column metric from lm-eval's sample logs:
+    task -> lm-eval task -> {doc index: 0.0 | 1.0}."""
+    out: dict[str, dict[str, dict[int, float]]] = {}
+    for t, subs in strata.items():
+        out[t] = {}
+        for name in subs:
+            rows = raw.get("samples", {}).get(name, [])
+            if rows and metric[t] not in rows[0]:
+                raise TransMLAError(f"lm-eval logged no {metric[t]} for {name}.", "check the task's metric_list.")
+            out[t][name] = {int(r["doc_id"]): float(r[metric[t]]) for r in rows}
+    return out
+
+
+def summarize(raw: dict, tasks, strata: dict[str, dict[str, int]], protocol: str = "paper") -> dict:
+    """Columns (estimate, standard error, n) from the per-document scores; lm-eval's own aggregates of
+    acc/acc_norm are kept beside them for reference."""
+    _, metric = PROTOCOLS[protocol]
+    scores = doc_scores(raw, strata, metric)
+    out: dict = {"tasks": {}, "protocol": protocol, "protocol_note": PROTOCOL_NOTE[protocol]}
+    est = {}
     for t in tasks:
-        name = PREFIX + t
-        r = res[name]
-        entry = {}
-        for m in ("acc", "acc_norm"):
-            if f"{m},none" in r:
-                entry[m] = r[f"{m},none"]
-                se = r.get(f"{m}_stderr,none")
-                entry[f"{m}_stderr"] = se if isinstance(se, (int, float)) else None
-        if t == "mmlu":
-            subs = [k for k in sizes if k.startswith(f"{PREFIX}mmlu_")]
-            entry["n"] = sum(len(chosen[k]) if chosen else sizes[k] for k in subs)
-        else:
-            entry["n"] = int(raw.get("n-samples", {}).get(name, {}).get("effective", 0)) or (
-                len(chosen[name]) if chosen else sizes[name])
-        entry["metric"] = COLUMN_METRIC[t]
-        entry["value"] = entry[COLUMN_METRIC[t]]
-        entry["stderr"] = entry.get(f"{COLUMN_METRIC[t]}_stderr")
+        sizes = strata[t]
+        est[t] = stats.estimate({k: v for k, v in scores[t].items() if v}, sizes)
+        r = raw["results"].get(PREFIX + t, {})
+        entry = {m: r[f"{m},none"] for m in ("acc", "acc_norm") if f"{m},none" in r}
+        entry.update(metric=metric[t], value=est[t].value, se=est[t].se, n=est[t].n)
         out["tasks"][t] = entry
-    v = {t: out["tasks"][t]["value"] for t in tasks}
-    if "arc_easy" in v and "arc_challenge" in v:
-        out["arc_mean"] = (v["arc_easy"] + v["arc_challenge"]) / 2  # the paper's "ARC" column
-    cols = [v[t] for t in ("mmlu", "piqa", "hellaswag", "openbookqa", "winogrande") if t in v]
-    if "arc_mean" in out:
-        cols.append(out["arc_mean"])
-    out["average"] = sum(cols) / len(cols) if cols else None
-    out["columns"] = {t: COLUMN_METRIC[t] for t in tasks}
+    if "arc_easy" in est and "arc_challenge" in est:
+        arc = (est["arc_easy"] + est["arc_challenge"]).scale(0.5)  # the paper's "ARC" column
+        out["arc_mean"], out["arc_se"] = arc.value, arc.se
+    if set(TASKS) <= set(est):
+        avg = stats.average(est)
+        out["average"], out["average_se"] = avg.value, avg.se
+    else:  # a subset of the benchmarks has no Table-1 average (never a mean over fewer columns)
+        out["average"] = out["average_se"] = None
+    out["columns"] = {t: metric[t] for t in tasks}
+    out["scores"] = {t: {k: {str(i): x for i, x in sorted(v.items())} for k, v in scores[t].items()} for t in tasks}
+    out["sizes"] = {t: strata[t] for t in tasks}
+    return out
+
+
+def scores_of(result: dict, task: str) -> dict[str, dict[int, float]]:
+    """A result's per-document scores of one benchmark, keyed back to int doc indices."""
+    return {k: {int(i): x for i, x in v.items()} for k, v in result["scores"][task].items()}
+
+
+def paired_columns(result: dict, reference: dict) -> dict:
+    """Per benchmark, the ARC mean and the average: result - reference on the same documents, with the
+    paired standard error (both must be scored on the same sample: same limit and seed)."""
+    d = {t: stats.paired(scores_of(result, t), scores_of(reference, t), result["sizes"][t])
+         for t in result["scores"] if t in reference["scores"]}
+    out = {t: e.as_dict() for t, e in d.items()}
+    if "arc_easy" in d and "arc_challenge" in d:
+        out["arc_mean"] = (d["arc_easy"] + d["arc_challenge"]).scale(0.5).as_dict()
+    if set(TASKS) <= set(d):
+        out["average"] = stats.average(d).as_dict()
     return out
 
 

@@ -21,6 +21,7 @@ PROMPTS = (
     "The future of AI is",
     "def fibonacci(n):",
 )
+CASE_STUDY = PROMPTS[:4]  # the paper's case study (Table 6)
 NEW_TOKENS = 24
 
 
@@ -54,10 +55,26 @@ def score_continuations(reference, tokenizer, continuations: list[list[int]], pr
         full = torch.tensor([ids + cont], device=device)
         logp = torch.log_softmax(reference(full).logits[0, :-1].float(), -1)
         nll = -logp[len(ids) - 1:].gather(1, full[0, len(ids):, None]).mean().item()
-        rep = 1 - len(set(cont)) / max(len(cont), 1)
         rows.append({"prompt": p, "continuation": tokenizer.decode(cont), "nll": round(nll, 4),
-                     "repetition": round(rep, 4), "degenerate": rep > 0.5 or _longest_run(cont) >= 8})
+                     "repetition": round(repetition(cont), 4), "degenerate": is_degenerate(cont)})
     return rows
+
+
+def repetition(cont: list[int]) -> float:
+    return 1 - len(set(cont)) / max(len(cont), 1)
+
+
+def is_degenerate(cont: list[int]) -> bool:
+    return repetition(cont) > 0.5 or _longest_run(cont) >= 8
+
+
+@torch.no_grad()
+def case_study(model, tokenizer, prompts=CASE_STUDY, new_tokens: int = NEW_TOKENS) -> list[dict]:
+    """The paper's case study: each prompt's greedy continuation with its repetition and degenerate flag
+    (no reference model needed)."""
+    conts = greedy_continuations(model, tokenizer, prompts, new_tokens)
+    return [{"prompt": p, "continuation": tokenizer.decode(c), "repetition": round(repetition(c), 4),
+             "degenerate": is_degenerate(c)} for p, c in zip(prompts, conts, strict=True)]
 
 
 def summary(rows: list[dict]) -> dict:

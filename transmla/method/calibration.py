@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from transmla.errors import TransMLAError
+from transmla.method.linalg import gram
 
 
 def calibration_ids(tokenizer, texts: list[str], nsamples: int, seqlen: int, seed: int) -> torch.Tensor:
@@ -105,7 +106,7 @@ def collect_stats(model, ids: torch.Tensor, batch_size: int = 8, progress: bool 
             # One batch's products in float32 (a few thousand tokens: no precision issue, 3x faster
             # than float64 on CPU), accumulated across batches in float64.
             x = out.detach().reshape(-1, D).float()
-            xx[i].add_((x.T @ x).cpu().double())
+            xx[i].add_(gram(x).cpu().double())
             xsum[i].add_(x.sum(0).cpu().double())
 
         return hook

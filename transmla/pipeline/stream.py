@@ -20,12 +20,12 @@ import sys
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
 from transmla.errors import TransMLAError
 from transmla.method.calibration import LayerMoments
+from transmla.method.linalg import gram
 from transmla.method.mla import MLALayer
 from transmla.method.refit import RefitMoments, head_blocks
 from transmla.runtime.memory import trim_heap
@@ -91,10 +91,30 @@ def attention_latents(x: torch.Tensor, layer: dict[str, torch.Tensor], s: MLASha
     q_rot, k_rot = _rope_interleaved(q_rot, cp, sp), _rope_interleaved(k_rot, cp, sp)
     w_uk = layer["kv_b_proj.weight"].view(h, 2 * d, r)[:, :d]
     q_abs = torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk)
-    key = torch.cat([c, k_rot], -1).expand(B, h, T, r + R)
-    z = F.scaled_dot_product_attention(torch.cat([q_abs, q_rot], -1), key, c.expand(B, h, T, r), is_causal=True,
-                                       scale=1 / math.sqrt(d + R))
-    return z
+    return shared_key_attention(torch.cat([q_abs, q_rot], -1), torch.cat([c, k_rot], -1)[:, 0], c[:, 0],
+                                1 / math.sqrt(d + R))
+
+
+def shared_key_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                         max_scores: int = 1 << 25) -> torch.Tensor:
+    """Causal softmax(scale q key^T) value with one key/value shared by every head (MLA's latent head).
+
+    q [B, h, T, e], key [B, T, e], value [B, T, r] -> [B, h, T, r]. The heads are folded into the query
+    rows of one batched matmul: SDPA would need the key expanded to every head, a copy per head (a third
+    of the conversion's attention time on SmolLM2). Heads go in chunks whose scores hold at most
+    `max_scores` floats (long calibration windows stay in bounded memory).
+    """
+    B, h, T, e = q.shape
+    mask = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+    k = max(1, min(h, max_scores // (B * T * T)))
+    out = torch.empty(B, h, T, value.shape[-1], dtype=q.dtype, device=q.device)
+    kt = key.transpose(1, 2)
+    for a in range(0, h, k):
+        n = min(k, h - a)
+        s = torch.bmm(q[:, a : a + n].reshape(B, n * T, e), kt).mul_(scale).view(B, n, T, T).add_(mask)
+        p = torch.softmax(s, -1).view(B, n * T, T)
+        out[:, a : a + n] = torch.bmm(p, value).view(B, n, T, -1)
+    return out
 
 
 def _output(z: torch.Tensor, layer: dict[str, torch.Tensor], s: MLAShapes) -> torch.Tensor:
@@ -169,7 +189,7 @@ class LayerStream:
         xs = torch.zeros(D, dtype=torch.float64)
         for b in self._bar("moments"):
             x = ln(self.h[b]).reshape(-1, D).float()
-            xx += (x.T @ x).cpu().double()
+            xx += gram(x).cpu().double()
             xs += x.sum(0).cpu().double()
         trim_heap()  # each step's freed activations fragment the heap (runtime.memory)
         return LayerMoments(xx / self.n, xs / self.n)
@@ -220,9 +240,9 @@ class LayerStream:
                 for j, heads in enumerate(blocks):
                     Zj = Z[:, heads.start * s.r : heads.stop * s.r]
                     yj = y[:, heads.start : heads.stop].reshape(B * T, -1)
-                    zz[j] += (Zj.T @ Zj).cpu().double()
+                    zz[j] += gram(Zj).cpu().double()
                     yzh[j] += (yj.T @ Zj).cpu().double()
-                    yyh[j] += (yj.T @ yj).cpu().double()
+                    yyh[j] += gram(yj).cpu().double()
                 if keep:
                     zs[b].copy_(z)
         finally:

@@ -69,3 +69,70 @@ def recovery_loss(hidden: torch.Tensor, head: torch.Tensor, input_ids: torch.Ten
     lm, kd = lm / n, kd / n
     loss = {"lm": lm, "kd": kd, "kd+lm": kd_weight * kd + lm}[objective]
     return loss, {"lm": lm.item(), "kd": kd.item() if use_kd else None}
+
+
+class AttentionMatch:
+    """Per-layer attention matching: the signal the conversion broke, at every layer.
+
+    While active (`with match:` around the student's forward), each student decoder layer's attention
+    output on its own input x_l is compared with the original (teacher) layer's attention on the same
+    x_l (detached; the teacher runs without gradients):
+
+        attn = mean_l ||A_l^mla(x_l) - A_l^gqa(x_l)||^2 / ||A_l^gqa(x_l)||^2
+
+    a relative error, so every layer counts alike whatever its output's scale. The teacher's attention
+    costs about a third of its forward; nothing else of the teacher runs for it. The hooks record only
+    inside the `with` block, so activation checkpointing's recompute in backward adds no terms.
+    """
+
+    def __init__(self, student, teacher):
+        s_layers, t_layers = student.model.layers, teacher.model.layers
+        if len(s_layers) != len(t_layers):
+            raise ValueError(f"student has {len(s_layers)} layers, teacher {len(t_layers)}")
+        self.teacher = teacher
+        self.terms: list[tuple[torch.Tensor, torch.Tensor]] = []  # (student output, teacher output) per layer
+        self._active = False
+        self._pe = None
+        self._hooks = [s.self_attn.register_forward_hook(self._hook(t.self_attn), with_kwargs=True)
+                       for s, t in zip(s_layers, t_layers)]
+
+    def _hook(self, t_attn):
+        def hook(module, args, kwargs, output):
+            if not self._active:
+                return
+            x = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).detach()
+            out = output[0] if isinstance(output, tuple) else output
+            with torch.no_grad():
+                t_dtype = next(t_attn.parameters()).dtype
+                xt = x.to(t_dtype)
+                if self._pe is None:
+                    pos = kwargs.get("position_ids")
+                    if pos is None:
+                        pos = torch.arange(x.shape[1], device=x.device)[None]
+                    self._pe = self.teacher.model.rotary_emb(xt, pos)
+                target = t_attn(hidden_states=xt, position_embeddings=self._pe,
+                                attention_mask=kwargs.get("attention_mask"))[0].float()
+            # the error itself is computed in loss(), outside the layer: inside an activation-checkpointed
+            # layer it would save tensors that the recompute (hooks inactive) does not
+            self.terms.append((out, target))
+        return hook
+
+    def __enter__(self):
+        self.terms, self._pe, self._active = [], None, True
+        return self
+
+    def __exit__(self, *exc):
+        self._active = False
+
+    def loss(self) -> torch.Tensor:
+        """The mean relative error over the layers recorded by the last `with` block."""
+        if not self.terms:
+            raise RuntimeError("no attention layer ran inside the `with` block")
+        errs = [(out.float() - t).pow(2).sum() / t.pow(2).sum().clamp_min(1e-12) for out, t in self.terms]
+        self.terms = []  # the outputs' graphs are released with the loss
+        return torch.stack(errs).mean()
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -40,7 +40,9 @@ from transmla.errors import TransMLAError
 from transmla.method.mla import norm_identity_scale
 from transmla.runtime.fast_attention import use_causal_padded_sdpa
 from transmla.runtime.serving import use_recorded_latent_norm_eps
-from transmla.training.distill import recovery_loss
+import contextlib
+
+from transmla.training.distill import AttentionMatch, recovery_loss
 
 SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine"}
 ATTENTION_PARAMS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
@@ -319,19 +321,28 @@ def _trainer_class():
         def __init__(self, *a, cfg: FinetuneConfig, teacher=None, **kw):
             super().__init__(*a, **kw)
             self.cfg, self.teacher = cfg, teacher
+            # per-layer attention matching (attn_weight > 0): hooks on the student's attention modules
+            self.match = AttentionMatch(self.model, teacher) if cfg.attn_weight > 0 else None
             self.loss_is_scaled_for_ga = False  # a per-batch mean: Trainer divides by grad_accum
             self._parts: dict[str, list[float]] = {}
 
         def _losses(self, model, input_ids, objective):
-            hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
+            with self.match or contextlib.nullcontext():
+                hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
             t_h = t_w = None
             if objective != "lm":
                 with torch.no_grad():
                     t = self.teacher
                     t_h = t.model(input_ids=input_ids.to(t.device), use_cache=False).last_hidden_state
                     t_h, t_w = t_h.to(hidden.device), t.lm_head.weight.to(hidden.device)
-            return recovery_loss(hidden, model.lm_head.weight, input_ids, objective, t_h, t_w,
-                                 tau=self.cfg.kd_temperature, kd_weight=self.cfg.kd_weight, chunk=self.cfg.loss_chunk)
+            loss, parts = recovery_loss(hidden, model.lm_head.weight, input_ids, objective, t_h, t_w,
+                                        tau=self.cfg.kd_temperature, kd_weight=self.cfg.kd_weight,
+                                        chunk=self.cfg.loss_chunk)
+            if self.match is not None:
+                attn = self.match.loss()
+                loss = loss + self.cfg.attn_weight * attn
+                parts["attn"] = attn.item()
+            return loss, parts
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss, parts = self._losses(model, inputs["input_ids"], self.cfg.objective)
@@ -348,13 +359,16 @@ def _trainer_class():
             n = len(inputs["input_ids"])
             self._eval_kd[0] += (parts["kd"] or 0.0) * n
             self._eval_kd[1] += n
+            self._eval_kd[2] += (parts.get("attn") or 0.0) * n
             return torch.tensor(parts["lm"]), None, None  # eval_loss: next-token cross-entropy, any objective
 
         def evaluation_loop(self, *a, metric_key_prefix: str = "eval", **kw):
-            self._eval_kd = [0.0, 0]
+            self._eval_kd = [0.0, 0, 0.0]
             out = super().evaluation_loop(*a, metric_key_prefix=metric_key_prefix, **kw)
             if self.teacher is not None and self._eval_kd[1]:
                 out.metrics[f"{metric_key_prefix}_kd"] = self._eval_kd[0] / self._eval_kd[1]
+                if self.match is not None:
+                    out.metrics[f"{metric_key_prefix}_attn"] = self._eval_kd[2] / self._eval_kd[1]
             return out
 
         def log(self, logs, start_time=None):
@@ -390,9 +404,10 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
     from transformers import default_data_collator
 
     check_stock_deepseek(model)
-    if cfg.objective != "lm" and teacher is None:
-        raise TransMLAError(f"finetune.objective={cfg.objective!r} distils from the original model, but no teacher was given.",
-                            "pass the original model as the teacher, or use objective: lm.")
+    if cfg.needs_teacher and teacher is None:
+        what = f"objective={cfg.objective!r}" if cfg.objective != "lm" else f"attn_weight={cfg.attn_weight:g}"
+        raise TransMLAError(f"finetune.{what} distils from the original model, but no teacher was given.",
+                            "pass the original model as the teacher, or use objective: lm with attn_weight: 0.")
     torch.manual_seed(cfg.seed)
     unfold_latent_norms(model)
     counts = select_trainable(model, cfg.mode)
@@ -424,6 +439,8 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
         evals = [h for h in history if "eval_loss" in h]
         final = trainer.evaluate() if not evals or evals[-1]["step"] != trainer.state.global_step else evals[-1]
     finally:
+        if trainer.match is not None:
+            trainer.match.remove()
         model.config._attn_implementation = attn
         if teacher is not None:
             teacher.config._attn_implementation = teacher_attn
@@ -442,6 +459,8 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
         "val_loss_after": final["eval_loss"],
         "val_kd_before": evals[0].get("eval_kd") if evals and evals[0]["step"] == 0 else None,
         "val_kd_after": final.get("eval_kd"),
+        "val_attn_before": evals[0].get("eval_attn") if evals and evals[0]["step"] == 0 else None,
+        "val_attn_after": final.get("eval_attn"),
         "train_loss": mean_train_loss(history),
         "steps": trainer.state.global_step,
         "tokens_trained": trainer.state.global_step * cfg.tokens_per_step,
