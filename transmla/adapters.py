@@ -6,7 +6,7 @@ architecture means adding it here, nowhere else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,6 +14,80 @@ from transmla.errors import TransMLAError
 
 # model_type -> whether q/k/v carry biases (read from the weights anyway; this is documentation).
 SUPPORTED = {"llama": False, "mistral": False, "qwen2": True}
+
+# What in each known but unsupported family stock DeepSeek MLA cannot express (or this converter does
+# not carry yet): the refusal names the obstacle, not just the family.
+OBSTACLES = {
+    "qwen3": "per-head RMSNorm on queries and keys before RoPE (QK-norm): stock DeepSeek attention has no "
+             "per-head key norm, so the latent cannot reproduce it",
+    "gemma": "(1 + w) RMSNorm weights and embedding scaling by sqrt(hidden) (not carried yet)",
+    "gemma2": "post-attention and post-feedforward norms, query_pre_attn_scalar, attention logit soft-capping "
+              "and alternating sliding-window layers: stock DeepSeek layers express none of them",
+    "gemma3_text": "post-attention and post-feedforward norms, per-head QK-norm, query_pre_attn_scalar and "
+                   "sliding-window layers with their own RoPE base: stock DeepSeek layers express none of them",
+    "mixtral": "mixture-of-experts MLP with a softmax top-k renormalised router (not carried yet: "
+               "DeepSeek-V3's sigmoid router cannot reproduce it)",
+    "qwen2_moe": "mixture-of-experts MLP with a sigmoid-gated shared expert (not carried yet)",
+    "qwen3_moe": "per-head QK-norm and a mixture-of-experts MLP",
+    "phi3": "fused qkv projection and partial rotary embeddings (not carried yet)",
+}
+OBSTACLES["gemma3"] = OBSTACLES["gemma3_text"]
+
+# RoPE types whose scaling is a function of each frequency alone and needs no head-dim-dependent
+# constant, so a RoPE head that keeps a subset of the frequencies can carry it exactly.
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _get(cfg, key, default=None):
+    return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
+
+
+def rope_parameters(cfg) -> dict:
+    """The config's RoPE parameters (transformers 5 `rope_parameters`, or the older rope_theta +
+    rope_scaling), as one dict with at least rope_type and rope_theta."""
+    rp = dict(_get(cfg, "rope_parameters", None) or _get(cfg, "rope_scaling", None) or {})
+    rp.setdefault("rope_theta", _get(cfg, "rope_theta", None))
+    rp["rope_type"] = rp.get("rope_type") or rp.get("type") or "default"
+    return rp
+
+
+def check_config(cfg) -> None:
+    """Refuse, with the obstacle named, any config the converter cannot handle. Reads only config
+    fields (a transformers config or a plain dict, e.g. from a GGUF header): no weights needed."""
+    mt = _get(cfg, "model_type")
+    families = ", ".join(sorted(SUPPORTED))
+    if mt not in SUPPORTED:
+        why = OBSTACLES.get(mt)
+        raise TransMLAError(
+            f"Unsupported architecture {mt!r}" + (f": {why}." if why else ".")
+            + f" The converter handles {families}.",
+            "convert a Llama-, Qwen2- or Mistral-family model (SmolLM2 is llama).",
+        )
+    sliding = _get(cfg, "sliding_window", None)
+    if sliding and _get(cfg, "use_sliding_window", mt == "mistral"):
+        raise TransMLAError(
+            "Sliding-window attention cannot be expressed in DeepSeek-V3 checkpoints.",
+            "use a checkpoint with sliding_window: null.",
+        )
+    rp = rope_parameters(cfg)
+    if rp["rope_type"] not in ROPE_TYPES:
+        reason = {
+            "dynamic": "its NTK base grows with a head-dim-dependent exponent, so a RoPE head of another size "
+                       "would rotate at other frequencies past the original context",
+            "yarn": "its ramp bounds are rounded in units of the head dim and its attention factor scales every "
+                    "score, RoPE and NoPE dimensions alike",
+            "longrope": "its per-frequency factors switch with the sequence length",
+        }.get(rp["rope_type"], "unknown scaling")
+        raise TransMLAError(
+            f"RoPE scaling type {rp['rope_type']!r} cannot be carried exactly by the converter: {reason}.",
+            f"use a model whose rope_type is one of {', '.join(ROPE_TYPES)}.",
+        )
+    if rp["rope_theta"] is None:
+        raise TransMLAError("The model config has no rope_theta.", "use a Llama/Qwen2/Mistral checkpoint.")
+    h = _get(cfg, "num_attention_heads")
+    g = _get(cfg, "num_key_value_heads", None) or h
+    if h and g and h % g:
+        raise TransMLAError(f"{h} query heads are not a multiple of {g} KV heads.", "check the model config.")
 
 
 @dataclass(frozen=True)
@@ -36,6 +110,8 @@ class GQASpec:
     bos_token_id: int | None
     eos_token_id: int | list | None
     pad_token_id: int | None
+    # the original's RoPE parameters (rope_type, rope_theta, scaling constants); empty = plain RoPE
+    rope_parameters: dict = field(default_factory=dict, hash=False)
 
 
 @dataclass
@@ -53,41 +129,17 @@ class AttentionWeights:
     bo: torch.Tensor | None = None
 
 
-def _rope_params(cfg) -> tuple[float, dict | None]:
-    rp = getattr(cfg, "rope_parameters", None) or {}
-    theta = rp.get("rope_theta", getattr(cfg, "rope_theta", None))
-    rtype = rp.get("rope_type", "default")
-    if rtype not in ("default", None):
-        raise TransMLAError(
-            f"RoPE scaling type {rtype!r} is not supported by the converter yet.",
-            "use a model with plain RoPE (no rope_scaling), e.g. Llama-2, Qwen2/2.5, Mistral, SmolLM2.",
-        )
-    if theta is None:
-        raise TransMLAError("The model config has no rope_theta.", "use a Llama/Qwen2/Mistral checkpoint.")
-    return float(theta), rp
-
-
 def read_spec(cfg) -> GQASpec:
     """Validate a transformers config and describe it; unsupported models get one clear error."""
-    mt = getattr(cfg, "model_type", None)
-    if mt not in SUPPORTED:
-        raise TransMLAError(
-            f"Unsupported architecture {mt!r}: the converter handles {', '.join(sorted(SUPPORTED))}.",
-            "convert a Llama-, Qwen2- or Mistral-family model (SmolLM2 is llama).",
-        )
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", mt == "mistral"):
-        raise TransMLAError(
-            "Sliding-window attention cannot be expressed in DeepSeek-V3 checkpoints.",
-            "use a checkpoint with sliding_window: null.",
-        )
-    theta, _ = _rope_params(cfg)
+    check_config(cfg)
+    mt = cfg.model_type
+    rp = rope_parameters(cfg)
     h = cfg.num_attention_heads
     g = getattr(cfg, "num_key_value_heads", None) or h
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
-    if h % g:
-        raise TransMLAError(f"{h} query heads are not a multiple of {g} KV heads.", "check the model config.")
     return GQASpec(
-        model_type=mt, D=cfg.hidden_size, h=h, g=g, d=d, n_layers=cfg.num_hidden_layers, rope_theta=theta,
+        model_type=mt, D=cfg.hidden_size, h=h, g=g, d=d, n_layers=cfg.num_hidden_layers, rope_theta=float(rp["rope_theta"]),
+        rope_parameters=rp,
         rms_norm_eps=float(cfg.rms_norm_eps), vocab_size=cfg.vocab_size, intermediate_size=cfg.intermediate_size,
         hidden_act=cfg.hidden_act, max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),

@@ -101,10 +101,11 @@ def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_di
     from transmla.io.data import calibration_parts
     from transmla.io.export import write_checkpoint
     from transmla.io.paths import new_output_dir
-    from transmla.io.sources import load_model, source_info
+    from transmla.io.sources import check_source, load_model, source_info
 
     t0 = time.perf_counter()
     calibration_parts(o.cal_dataset)  # unknown data set or missing path: fail before any work
+    check_source(source, cache)  # unsupported architecture: refused from its config, before any weight is read
     out = new_output_dir(out)
     info = source_info(source, cache)
     model, tok = load_model(source, dtype="float32", device=o.device, cache=cache)  # the math runs in fp32/fp64

@@ -15,7 +15,38 @@ import torch
 
 from transmla.adapters import GQASpec
 from transmla.io.paths import atomic_dir, new_output_dir
-from transmla.method.rope import is_standard, longrope_parameters
+from transmla.method.rope import inv_freq, is_standard, longrope_parameters
+
+
+def original_inv_freq(spec: GQASpec) -> torch.Tensor:
+    """The original model's inverse frequencies, scaling included, as transformers computes them. [d/2]"""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rp = dict(spec.rope_parameters or {"rope_type": "default", "rope_theta": spec.rope_theta})
+    if rp.get("rope_type", "default") == "default":
+        return inv_freq(spec.rope_theta, spec.d)
+    cfg = LlamaConfig(hidden_size=spec.h * spec.d, num_attention_heads=spec.h, head_dim=spec.d,
+                      max_position_embeddings=spec.max_position_embeddings, rope_parameters=rp)
+    return ROPE_INIT_FUNCTIONS[rp["rope_type"]](cfg, "cpu")[0].to(torch.float64)
+
+
+def export_rope_parameters(spec: GQASpec, plan: list[int]) -> dict:
+    """rope_parameters of the exported RoPE head (dim 2*len(plan)), carrying exactly the planned
+    original frequencies.
+
+    A standard plan keeps every c-th frequency with the same base, and linear / llama3 scaling is a
+    function of each frequency alone (no head-dim constant), so the original parameters carry over
+    unchanged (servable by vLLM). Any other plan gets LongRoPE factors solved against the original's
+    scaled frequencies (transformers only).
+    """
+    rp = {k: v for k, v in (spec.rope_parameters or {}).items() if k != "type" and v is not None}
+    rp.setdefault("rope_type", "default")
+    rp["rope_theta"] = spec.rope_theta
+    if is_standard(plan, spec.d):
+        return rp
+    return longrope_parameters(plan, spec.rope_theta, spec.d, spec.max_position_embeddings,
+                               target=original_inv_freq(spec)[plan])
 
 
 def deepseek_config(
@@ -25,11 +56,7 @@ def deepseek_config(
     from transformers import DeepseekV3Config
 
     R = 2 * len(plan)
-    rope = (
-        {"rope_type": "default", "rope_theta": spec.rope_theta}
-        if is_standard(plan, spec.d)
-        else longrope_parameters(plan, spec.rope_theta, spec.d, spec.max_position_embeddings)
-    )
+    rope = export_rope_parameters(spec, plan)
     cfg = DeepseekV3Config(
         vocab_size=spec.vocab_size,
         hidden_size=spec.D,

@@ -1,0 +1,179 @@
+"""Architectures beyond Llama/Qwen2/Mistral: what converts exactly (RoPE scaling carried over) and what
+is refused from its config alone, with the obstacle named, before any weight is read."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, LlamaForCausalLM
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from transmla.adapters import check_config, read_spec
+from transmla.config import ConvertOptions
+from transmla.convert import convert
+from transmla.errors import TransMLAError
+from transmla.io import sources
+from transmla.io.export import export_rope_parameters
+from transmla.io.gguf_header import config_from_metadata, read_metadata
+from transmla.io.sources import source_config
+from transmla.method.rope import standard_plan
+
+CAL = dict(cal_nsamples=8, cal_seqlen=64, cal_batch_size=4)
+
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LINEAR = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+
+
+def _no_weights(monkeypatch):
+    """Any weight load or GGUF dequantisation fails the test."""
+    def boom(*a, **k):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(sources, "_save_gguf_as_hf", boom)
+    monkeypatch.setattr(sources, "load_model", boom)
+    monkeypatch.setattr(sources, "_ensure_package", boom)
+
+
+def _config_only_dir(tmp_path, cfg: dict):
+    d = tmp_path / cfg["model_type"]
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))  # no weights at all: a refusal must not need them
+    return d
+
+
+@pytest.mark.parametrize("cfg, words", [
+    ({"model_type": "qwen3", "num_attention_heads": 16, "num_key_value_heads": 8}, "QK-norm"),
+    ({"model_type": "gemma3_text", "num_attention_heads": 4, "num_key_value_heads": 1}, "post-attention"),
+    ({"model_type": "gemma2"}, "soft-capping"),
+    ({"model_type": "mixtral"}, "mixture-of-experts"),
+    ({"model_type": "gpt2"}, "handles llama, mistral, qwen2"),
+    ({"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn'"),
+    ({"model_type": "llama", "rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_theta": 1e4}, "'dynamic'"),
+])
+def test_unsupported_configs_are_refused_before_any_weight(tmp_path, monkeypatch, cfg, words):
+    _no_weights(monkeypatch)
+    src = _config_only_dir(tmp_path, cfg)
+    out = tmp_path / "out"
+    with pytest.raises(TransMLAError, match=words) as e:
+        convert(str(src), out, ConvertOptions(**CAL), progress=False)
+    assert "Fix:" in str(e.value) and not out.exists()
+
+
+def _write_gguf(path, arch: str, **kv):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(2)
+    w.add_head_count(4)
+    w.add_head_count_kv(1)
+    w.add_embedding_length(64)
+    w.add_key_length(16)
+    for k, v in kv.items():
+        w.add_uint32(f"{arch}.{k}", v)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_header_names_the_architecture_without_dequantising(tmp_path, monkeypatch):
+    _no_weights(monkeypatch)
+    _write_gguf(tmp_path / "g.gguf", "gemma3", **{"attention.sliding_window": 512})
+    meta = read_metadata(tmp_path / "g.gguf")
+    assert meta["general.architecture"] == "gemma3" and meta["__tensor_names__"] == ["token_embd.weight"]
+    cfg = config_from_metadata(meta)
+    assert cfg["model_type"] == "gemma3_text" and (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 1)
+    with pytest.raises(TransMLAError, match="QK-norm"):
+        convert(f"gguf:{tmp_path / 'g.gguf'}", tmp_path / "out", ConvertOptions(**CAL), progress=False)
+    # llama.cpp files Mixtral as "llama" with experts: still recognised as MoE
+    _write_gguf(tmp_path / "m.gguf", "llama", expert_count=8)
+    assert config_from_metadata(read_metadata(tmp_path / "m.gguf"))["model_type"] == "mixtral"
+
+
+def test_gguf_header_read_across_split_parts(tmp_path):
+    _write_gguf(tmp_path / "whole.gguf", "qwen2")
+    data = (tmp_path / "whole.gguf").read_bytes()
+    cut = [tmp_path / "p0", tmp_path / "p1", tmp_path / "p2"]
+    cut[0].write_bytes(data[:7])  # the header spills over the parts
+    cut[1].write_bytes(data[7:40])
+    cut[2].write_bytes(data[40:])
+    assert read_metadata(cut) == read_metadata(tmp_path / "whole.gguf")
+    cut[2].write_bytes(b"")
+    with pytest.raises(TransMLAError, match="GGUF header"):
+        read_metadata(cut[:2])
+
+
+def test_unsupported_catalog_model_is_refused_without_download(tmp_path, monkeypatch):
+    _no_weights(monkeypatch)
+    assert source_config("gemma3-270m", cache=tmp_path)["model_type"] == "gemma3_text"
+    r = subprocess.run([sys.executable, "-m", "transmla.cli", "convert", "--model", "gemma3-270m", "--out",
+                        str(tmp_path / "out"), "--cache-dir", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 2 and "post-attention" in r.stderr and "installing" not in r.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "models").exists()
+
+
+# --- RoPE scaling carried exactly ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rp", [LLAMA3, LINEAR], ids=["llama3", "linear"])
+def test_standard_plan_carries_the_scaling_unchanged(rp):
+    """A RoPE head keeping every c-th frequency rotates at exactly the original's scaled frequencies."""
+    d, max_pos = 64, 512
+    cfg = LlamaConfig(hidden_size=4 * d, num_attention_heads=4, num_key_value_heads=2, head_dim=d,
+                      max_position_embeddings=max_pos, rope_parameters=dict(rp))
+    orig = LlamaRotaryEmbedding(cfg).inv_freq.double()
+    spec = read_spec(cfg)
+    for R in (16, 32):
+        plan = standard_plan(d, R)
+        out = export_rope_parameters(spec, plan)
+        assert out["rope_type"] == rp["rope_type"]  # servable as is (vLLM reads the same rope types)
+        ds = DeepseekV3Config(hidden_size=4 * d, num_attention_heads=4, qk_rope_head_dim=R, qk_nope_head_dim=d,
+                              v_head_dim=d, kv_lora_rank=32, max_position_embeddings=max_pos, rope_parameters=out)
+        got = DeepseekV3RotaryEmbedding(ds).inv_freq.double()
+        torch.testing.assert_close(got, orig[plan], rtol=1e-6, atol=0)
+        assert not torch.allclose(orig, 1 / rp["rope_theta"] ** (torch.arange(0, d, 2).double() / d))  # scaled
+
+
+def _tiny_scaled_llama(tmp_path, tok, rp):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, rope_parameters=dict(rp))
+    d = tmp_path / f"tiny-{rp['rope_type']}"
+    LlamaForCausalLM(cfg).eval().save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("rp", [LLAMA3, LINEAR], ids=["llama3", "linear"])
+def test_lossless_conversion_of_a_scaled_llama(tmp_path, tiny_tokenizer, rp):
+    """Llama 3.x scaling (and linear): lossless export within 1e-3 in log-probs, same greedy tokens,
+    beyond the original context where the scaling matters."""
+    src = _tiny_scaled_llama(tmp_path, tiny_tokenizer, rp)
+    out = tmp_path / "mla"
+    convert(str(src), out, ConvertOptions(lossless=True, **CAL), progress=False)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(mla).__name__ == "DeepseekV3ForCausalLM"
+    ids = torch.randint(0, len(tiny_tokenizer), (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = (torch.log_softmax(m(ids).logits.float(), -1) for m in (model, mla))
+    assert (a - b).abs().max() < 1e-3
+    prompt = ids[:, :8]
+    g1 = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    g2 = mla.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert torch.equal(g1, g2)
+
+
+def test_check_config_accepts_what_it_should():
+    for cfg in ({"model_type": "llama", "rope_theta": 1e4},
+                {"model_type": "qwen2", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+                {"model_type": "llama", "rope_parameters": dict(LLAMA3)},
+                {"model_type": "mistral", "rope_theta": 1e4, "sliding_window": None}):
+        check_config(cfg)
