@@ -132,7 +132,7 @@ def test_standard_plan_carries_the_scaling_unchanged(rp):
     for R in (16, 32):
         plan = standard_plan(d, R)
         out = export_rope_parameters(spec, plan)
-        assert out["rope_type"] == rp["rope_type"]  # servable as is (vLLM reads the same rope types)
+        assert out["rope_type"] == rp["rope_type"]  # the original parameters, unchanged
         ds = DeepseekV3Config(hidden_size=4 * d, num_attention_heads=4, qk_rope_head_dim=R, qk_nope_head_dim=d,
                               v_head_dim=d, kv_lora_rank=32, max_position_embeddings=max_pos, rope_parameters=out)
         got = DeepseekV3RotaryEmbedding(ds).inv_freq.double()
@@ -177,3 +177,20 @@ def test_check_config_accepts_what_it_should():
                 {"model_type": "llama", "rope_parameters": dict(LLAMA3)},
                 {"model_type": "mistral", "rope_theta": 1e4, "sliding_window": None}):
         check_config(cfg)
+
+
+def test_scaled_export_keeps_the_scaling_and_is_refused_by_the_vllm_check(tmp_path, tiny_tokenizer):
+    """A standard-plan export of a Llama-3-scaled model carries rope_type llama3 (exact in transformers);
+    the vLLM serving check refuses it (vLLM reads any scaled DeepSeek RoPE as DeepSeek-YaRN)."""
+    from transformers import AutoConfig
+
+    from transmla.runtime.serving import check_paddable
+
+    src = _tiny_scaled_llama(tmp_path, tiny_tokenizer, LLAMA3)
+    out = tmp_path / "mla"
+    convert(str(src), out, ConvertOptions(qk_rope_dim=8, kv_lora_rank=16, **CAL), progress=False)
+    cfg = AutoConfig.from_pretrained(out)
+    assert cfg.rope_parameters["rope_type"] == "llama3" and cfg.rope_parameters["factor"] == 8.0
+    assert any("llama3 RoPE scaling" in n for n in cfg.transmla["notes"])
+    with pytest.raises(TransMLAError, match="DeepSeek-YaRN"):
+        check_paddable(cfg)

@@ -39,6 +39,10 @@ def conversion_metadata(source: dict, spec: GQASpec, budget: Budget, o: ConvertO
     if spec.model_type == "qwen2":
         notes.append("NoPE part of the key bias dropped (shifts all scores of a query equally: softmax-invariant); "
                      "value bias moved into o_proj.bias (exact).")
+    rtype = (spec.rope_parameters or {}).get("rope_type", "default")
+    if rtype != "default":
+        notes.append(f"the original's {rtype} RoPE scaling carried exactly: transformers only (vLLM's DeepSeek RoPE "
+                     "reads any scaled RoPE as DeepSeek-YaRN).")
     if not is_standard(list(budget.plan), spec.d):
         notes.append("non-standard RoPE frequencies exported as LongRoPE factors: transformers only, not vLLM.")
     mean = lambda k: float(sum(d[k] for d in diags) / len(diags))  # noqa: E731

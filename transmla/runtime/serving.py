@@ -73,10 +73,11 @@ def check_paddable(config, kv_lora_rank: int = VLLM_KV_LORA_RANK, qk_rope_head_d
     kind = _rope_type(config)
     if kind != "default":
         raise TransMLAError(
-            f"The checkpoint's RoPE is {kind!r}, not standard: its frequencies (e.g. a --lossless export's LongRoPE "
-            "factors) cannot be expressed by vLLM's DeepSeek RoPE.",
-            "convert with a standard plan (drop --lossless; --qk-rope-dim R with R dividing "
-            f"{qk_rope_head_dim}) and serve that in vLLM; keep LongRoPE exports for transformers.")
+            f"The checkpoint's RoPE is {kind!r}, not standard: its frequencies (a --lossless export's LongRoPE "
+            "factors, or a Llama-3 / linear scaling carried from the original) cannot be expressed by vLLM's DeepSeek "
+            "RoPE, which reads every scaled RoPE as its DeepSeek-YaRN.",
+            "for an unscaled original, convert with a standard plan (drop --lossless; --qk-rope-dim R with R dividing "
+            f"{qk_rope_head_dim}) and serve that in vLLM; serve scaled-RoPE and LongRoPE exports with transformers.")
     if not getattr(config, "rope_interleave", False):
         raise TransMLAError("The checkpoint does not use the interleaved RoPE layout (rope_interleave: false).",
                             "re-export with `transmla convert` (which writes rope_interleave: true).")
