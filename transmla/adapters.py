@@ -1,4 +1,4 @@
-"""Model adapters: read a GQA model (Llama, Qwen2, Mistral, SmolLM) into one uniform description.
+"""Model adapters: read a GQA model (Llama, Qwen2, Mistral, Mixtral, SmolLM) into one uniform description.
 
 Everything downstream works on `GQASpec` + per-layer `AttentionWeights`, so supporting another
 architecture means adding it here, nowhere else.
@@ -13,7 +13,7 @@ import torch
 from transmla.errors import TransMLAError
 
 # model_type -> whether q/k/v carry biases (read from the weights anyway; this is documentation).
-SUPPORTED = {"llama": False, "mistral": False, "qwen2": True}
+SUPPORTED = {"llama": False, "mistral": False, "qwen2": True, "mixtral": False}
 
 # What in each known but unsupported family stock DeepSeek MLA cannot express (or this converter does
 # not carry yet): the refusal names the obstacle, not just the family.
@@ -25,8 +25,6 @@ OBSTACLES = {
               "and alternating sliding-window layers: stock DeepSeek layers express none of them",
     "gemma3_text": "post-attention and post-feedforward norms, per-head QK-norm, query_pre_attn_scalar and "
                    "sliding-window layers with their own RoPE base: stock DeepSeek layers express none of them",
-    "mixtral": "mixture-of-experts MLP with a softmax top-k renormalised router (not carried yet: "
-               "DeepSeek-V3's sigmoid router cannot reproduce it)",
     "qwen2_moe": "mixture-of-experts MLP with a sigmoid-gated shared expert (not carried yet)",
     "qwen3_moe": "per-head QK-norm and a mixture-of-experts MLP",
     "phi3": "fused qkv projection and partial rotary embeddings (not carried yet)",
@@ -61,10 +59,10 @@ def check_config(cfg) -> None:
         raise TransMLAError(
             f"Unsupported architecture {mt!r}" + (f": {why}." if why else ".")
             + f" The converter handles {families}.",
-            "convert a Llama-, Qwen2- or Mistral-family model (SmolLM2 is llama).",
+            "convert a Llama-, Qwen2-, Mistral- or Mixtral-family model (SmolLM2 is llama).",
         )
     sliding = _get(cfg, "sliding_window", None)
-    if sliding and _get(cfg, "use_sliding_window", mt == "mistral"):
+    if sliding and _get(cfg, "use_sliding_window", mt in ("mistral", "mixtral")):
         raise TransMLAError(
             "Sliding-window attention cannot be expressed in DeepSeek-V3 checkpoints.",
             "use a checkpoint with sliding_window: null.",
@@ -112,6 +110,8 @@ class GQASpec:
     pad_token_id: int | None
     # the original's RoPE parameters (rope_type, rope_theta, scaling constants); empty = plain RoPE
     rope_parameters: dict = field(default_factory=dict, hash=False)
+    # Mixtral's MoE (num_local_experts, num_experts_per_tok, router_jitter_noise), carried verbatim; empty = dense
+    moe: dict = field(default_factory=dict, hash=False)
 
 
 @dataclass
@@ -145,6 +145,8 @@ def read_spec(cfg) -> GQASpec:
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         bos_token_id=getattr(cfg, "bos_token_id", None), eos_token_id=getattr(cfg, "eos_token_id", None),
         pad_token_id=getattr(cfg, "pad_token_id", None),
+        moe={k: getattr(cfg, k) for k in ("num_local_experts", "num_experts_per_tok", "router_jitter_noise")}
+        if mt == "mixtral" else {},
     )
 
 

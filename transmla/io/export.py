@@ -55,9 +55,15 @@ def deepseek_config(
     """config.json fields for an all-dense DeepSeek-V3 model with the given MLA shapes."""
     from transformers import DeepseekV3Config
 
+    from transmla.models import MixtralMLAConfig
+
     R = 2 * len(plan)
     rope = export_rope_parameters(spec, plan)
-    cfg = DeepseekV3Config(
+    # Mixtral: the same MLA fields, every MLP Mixtral's own sparse MoE (transmla.models), experts verbatim
+    cls, moe = (MixtralMLAConfig, {"n_routed_experts": spec.moe["num_local_experts"],
+                                   "num_experts_per_tok": spec.moe["num_experts_per_tok"],
+                                   "router_jitter_noise": spec.moe["router_jitter_noise"]}) if spec.moe else (DeepseekV3Config, {})
+    cfg = cls(
         vocab_size=spec.vocab_size,
         hidden_size=spec.D,
         intermediate_size=spec.intermediate_size,
@@ -67,9 +73,8 @@ def deepseek_config(
         num_key_value_heads=spec.h,
         # Every layer dense; the MoE fields stay valid integers (transformers 5 rejects null).
         first_k_dense_replace=spec.n_layers,
-        n_routed_experts=1,
+        **({"n_routed_experts": 1, "num_experts_per_tok": 1} | moe),
         n_shared_experts=1,
-        num_experts_per_tok=1,
         n_group=1,
         topk_group=1,
         routed_scaling_factor=1.0,
@@ -89,17 +94,18 @@ def deepseek_config(
         eos_token_id=spec.eos_token_id,
         pad_token_id=spec.pad_token_id,
     )
-    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    cfg.architectures = ["MixtralMLAForCausalLM" if spec.moe else "DeepseekV3ForCausalLM"]
     cfg.dtype = dtype
     return cfg
 
 
 def check_state_dict(config, state_dict: dict[str, torch.Tensor]) -> None:
-    """The tensors must be exactly those of DeepseekV3ForCausalLM(config), with the same shapes."""
-    from transformers import DeepseekV3ForCausalLM
+    """The tensors must be exactly those of the config's class (DeepseekV3ForCausalLM, or a class of
+    transmla.models), with the same shapes."""
+    from transmla.models import causal_lm_class
 
     with torch.device("meta"):
-        ref = DeepseekV3ForCausalLM(config).state_dict()
+        ref = causal_lm_class(config)(config).state_dict()
     missing = sorted(set(ref) - set(state_dict))
     extra = sorted(set(state_dict) - set(ref))
     bad = [k for k in ref if k in state_dict and tuple(ref[k].shape) != tuple(state_dict[k].shape)]
@@ -108,15 +114,16 @@ def check_state_dict(config, state_dict: dict[str, torch.Tensor]) -> None:
 
 
 def instantiate(config, state_dict: dict[str, torch.Tensor]):
-    """The converted model in memory (no disk round trip), as stock DeepseekV3ForCausalLM."""
-    from transformers import DeepseekV3ForCausalLM
+    """The converted model in memory (no disk round trip), as stock DeepseekV3ForCausalLM (or the
+    config's class of transmla.models)."""
+    from transmla.models import causal_lm_class
 
     check_state_dict(config, state_dict)
     emb, head = state_dict["model.embed_tokens.weight"], state_dict["lm_head.weight"]
     if not config.tie_word_embeddings and head.untyped_storage().data_ptr() == emb.untyped_storage().data_ptr():
         state_dict = {**state_dict, "lm_head.weight": head.clone()}  # an untied model owns its lm_head
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config)
+        model = causal_lm_class(config)(config)
     model.load_state_dict(state_dict, assign=True, strict=True)
     model.model.rotary_emb.__init__(config)  # non-persistent RoPE buffers were created on meta
     return model.eval()

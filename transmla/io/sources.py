@@ -407,6 +407,8 @@ def load_model(source: str | ModelSource, dtype: str = "float32", device: str = 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import transmla.models  # noqa: F401  (registers this package's model classes with the Auto classes)
+
     if dtype not in ("float32", "bfloat16", "float16"):
         raise TransMLAError(f"Unknown dtype {dtype!r}.", "use float32 or bfloat16.")
     src = source if isinstance(source, ModelSource) else parse_source(source)

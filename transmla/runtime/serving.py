@@ -61,6 +61,11 @@ def _rope_type(config) -> str:
 
 def check_paddable(config, kv_lora_rank: int = VLLM_KV_LORA_RANK, qk_rope_head_dim: int = VLLM_QK_ROPE_HEAD_DIM) -> None:
     """Raise TransMLAError (with the fix) unless `config` can be padded to the target sizes exactly."""
+    if getattr(config, "model_type", None) == "transmla_mixtral_mla":
+        raise TransMLAError(
+            "vLLM serving of a Mixtral (MoE) export is not built yet: vLLM's DeepseekV2ForCausalLM would carry it "
+            "(scoring_func softmax, norm_topk_prob true, n_shared_experts null, experts under per-expert names).",
+            "serve it with transformers (import transmla.models, then AutoModelForCausalLM), absorb included.")
     if getattr(config, "model_type", None) != "deepseek_v3":
         raise TransMLAError(f"Not a DeepSeek-V3 checkpoint (model_type={getattr(config, 'model_type', None)!r}).",
                             "pad the output of `transmla convert`.")

@@ -35,7 +35,7 @@ GIB = 2**30
 
 
 def is_mla(config) -> bool:
-    return getattr(config, "model_type", None) in ("deepseek_v3", "deepseek_v2") and hasattr(config, "kv_lora_rank")
+    return getattr(config, "model_type", None) in ("deepseek_v3", "deepseek_v2", "transmla_mixtral_mla") and hasattr(config, "kv_lora_rank")
 
 
 @functools.lru_cache(maxsize=1)
