@@ -47,12 +47,13 @@ def _config_only_dir(tmp_path, cfg: dict):
 
 
 @pytest.mark.parametrize("cfg, words", [
-    ({"model_type": "qwen3", "num_attention_heads": 16, "num_key_value_heads": 8}, "QK-norm"),
+    ({"model_type": "qwen3_moe", "num_attention_heads": 16, "num_key_value_heads": 8}, "QK-norm"),
+    ({"model_type": "qwen3", "rope_theta": 1e6, "attention_bias": True}, "attention biases"),
     ({"model_type": "gemma3_text", "num_attention_heads": 4, "num_key_value_heads": 1}, "post-attention"),
     ({"model_type": "gemma2"}, "soft-capping"),
     ({"model_type": "qwen2_moe"}, "shared expert"),
     ({"model_type": "mixtral", "sliding_window": 4096, "rope_theta": 1e4}, "Sliding-window"),
-    ({"model_type": "gpt2"}, "handles llama, mistral, mixtral, qwen2"),
+    ({"model_type": "gpt2"}, "handles llama, mistral, mixtral, qwen2, qwen3"),
     ({"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn'"),
     ({"model_type": "llama", "rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_theta": 1e4}, "'dynamic'"),
 ])
@@ -260,6 +261,73 @@ def test_mixtral_compressed_conversion_runs(tmp_path, tiny_tokenizer):
     out = tmp_path / "mla"
     meta = convert(str(src), out, ConvertOptions(qk_rope_dim=8, kv_lora_rank=16, **CAL), progress=False)
     assert meta["kv_cache_ratio"] == 24 / 64
+    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.isfinite(mla(torch.arange(32)[None]).logits).all()
+
+
+# --- Qwen3: QK-norm kept exactly (transmla.models.Qwen3MLAForCausalLM) ---------------------------
+
+
+def _tiny_qwen3(tmp_path, tok):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, rope_theta=10000.0, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # norm weights far from 1, so folding them matters
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 2.0)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 2.0)
+    d = tmp_path / "tiny-qwen3"
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_lossless_conversion_of_a_qwen3(tmp_path, tiny_tokenizer):
+    """Qwen3 -> MLA with the QK-norm kept: lossless within 1e-3, same greedy tokens, absorb (DynamicCache and
+    LatentCache) identical, loads with AutoModelForCausalLM after `import transmla.models`."""
+    from transmla.runtime.absorb import LatentCache, enable_absorb
+
+    src = _tiny_qwen3(tmp_path, tiny_tokenizer)
+    out = tmp_path / "mla"
+    convert(str(src), out, ConvertOptions(lossless=True, **CAL), progress=False)
+    import transmla.models  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(mla).__name__ == "Qwen3MLAForCausalLM"
+    ids = torch.randint(0, len(tiny_tokenizer), (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = (torch.log_softmax(m(ids).logits.float(), -1) for m in (model, mla))
+    assert (a - b).abs().max() < 1e-3
+    prompt = ids[:, :8]
+    g1 = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert torch.equal(g1, mla.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False))
+    enable_absorb(mla)
+    with torch.no_grad():
+        c = torch.log_softmax(mla(ids).logits.float(), -1)
+    assert (a - c).abs().max() < 1e-3
+    assert torch.equal(g1, mla.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False))
+    cache = LatentCache(mla.config)
+    g2 = mla.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False, past_key_values=cache)
+    assert torch.equal(g1, g2)
+    r, R = mla.config.kv_lora_rank, mla.config.qk_rope_head_dim
+    assert cache.values_per_token_per_layer() == [r + R + 2] * 2  # + one key scale per KV head
+
+
+def test_qwen3_compressed_needs_the_parallel_mode(tmp_path, tiny_tokenizer):
+    """A real cut converts in the paper's statistics mode; the layer-by-layer modes are refused with the fix."""
+    src = _tiny_qwen3(tmp_path, tiny_tokenizer)
+    with pytest.raises(TransMLAError, match="--calibration parallel --no-refit"):
+        convert(str(src), tmp_path / "x", ConvertOptions(qk_rope_dim=8, kv_lora_rank=16, **CAL), progress=False)
+    assert not (tmp_path / "x").exists()
+    out = tmp_path / "mla"
+    convert(str(src), out, ConvertOptions(qk_rope_dim=8, kv_lora_rank=16, calibration="parallel", refit=False, **CAL),
+            progress=False)
     mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         assert torch.isfinite(mla(torch.arange(32)[None]).logits).all()

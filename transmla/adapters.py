@@ -13,13 +13,11 @@ import torch
 from transmla.errors import TransMLAError
 
 # model_type -> whether q/k/v carry biases (read from the weights anyway; this is documentation).
-SUPPORTED = {"llama": False, "mistral": False, "qwen2": True, "mixtral": False}
+SUPPORTED = {"llama": False, "mistral": False, "qwen2": True, "mixtral": False, "qwen3": False}
 
 # What in each known but unsupported family stock DeepSeek MLA cannot express (or this converter does
 # not carry yet): the refusal names the obstacle, not just the family.
 OBSTACLES = {
-    "qwen3": "per-head RMSNorm on queries and keys before RoPE (QK-norm): stock DeepSeek attention has no "
-             "per-head key norm, so the latent cannot reproduce it",
     "gemma": "(1 + w) RMSNorm weights and embedding scaling by sqrt(hidden) (not carried yet)",
     "gemma2": "post-attention and post-feedforward norms, query_pre_attn_scalar, attention logit soft-capping "
               "and alternating sliding-window layers: stock DeepSeek layers express none of them",
@@ -86,6 +84,9 @@ def check_config(cfg) -> None:
     g = _get(cfg, "num_key_value_heads", None) or h
     if h and g and h % g:
         raise TransMLAError(f"{h} query heads are not a multiple of {g} KV heads.", "check the model config.")
+    if mt == "qwen3" and _get(cfg, "attention_bias", False):
+        raise TransMLAError("Qwen3 with attention biases is not carried yet (the QK-norm path has no q/k bias).",
+                            "convert a Qwen3 checkpoint with attention_bias: false (every released one).")
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class GQASpec:
     rope_parameters: dict = field(default_factory=dict, hash=False)
     # Mixtral's MoE (num_local_experts, num_experts_per_tok, router_jitter_noise), carried verbatim; empty = dense
     moe: dict = field(default_factory=dict, hash=False)
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of queries and keys before RoPE (transmla.models.Qwen3MLAAttention)
 
 
 @dataclass
@@ -127,6 +129,12 @@ class AttentionWeights:
     bk: torch.Tensor | None = None
     bv: torch.Tensor | None = None
     bo: torch.Tensor | None = None
+    # Qwen3's QK-norm: wq / wk above have the norm weights folded in (rows scaled by g_q / g_k); the raw
+    # projections and the weights [d] are kept for the export's normalisation (method.qknorm)
+    wq_raw: torch.Tensor | None = None
+    wk_raw: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 def read_spec(cfg) -> GQASpec:
@@ -147,6 +155,7 @@ def read_spec(cfg) -> GQASpec:
         pad_token_id=getattr(cfg, "pad_token_id", None),
         moe={k: getattr(cfg, k) for k in ("num_local_experts", "num_experts_per_tok", "router_jitter_noise")}
         if mt == "mixtral" else {},
+        qk_norm=mt == "qwen3",
     )
 
 
@@ -160,10 +169,17 @@ def attention_weights(model, layer: int) -> AttentionWeights:
     def b(lin):
         return None if lin.bias is None else lin.bias.detach().to(torch.float64).clone()
 
-    return AttentionWeights(
+    out = AttentionWeights(
         wq=w(attn.q_proj), wk=w(attn.k_proj), wv=w(attn.v_proj), wo=w(attn.o_proj),
         bq=b(attn.q_proj), bk=b(attn.k_proj), bv=b(attn.v_proj), bo=b(attn.o_proj),
     )
+    if getattr(attn, "q_norm", None) is not None:  # Qwen3: fold the norm weights into the raw projections
+        gq, gk = w(attn.q_norm), w(attn.k_norm)
+        d = gq.shape[0]
+        out.wq_raw, out.wk_raw, out.q_norm, out.k_norm = out.wq, out.wk, gq, gk
+        out.wq = (out.wq.view(-1, d, out.wq.shape[1]) * gq[:, None]).reshape(out.wq.shape)
+        out.wk = (out.wk.view(-1, d, out.wk.shape[1]) * gk[:, None]).reshape(out.wk.shape)
+    return out
 
 
 def shared_state_dict(model) -> dict[str, torch.Tensor]:

@@ -1,5 +1,17 @@
 """Model classes of this package, for what stock DeepSeek checkpoints cannot express.
 
+`Qwen3MLAForCausalLM`: MLA whose scores keep Qwen3's QK-norm exactly. Qwen3 normalises each query
+head and each KV head (RMSNorm over the head dim, weights g_q, g_k) before RoPE, so a score is
+
+    s_j(t, u) = rho_q,j(t) rho_k,i(u) <RoPE(g_q * W_q,j x_t), RoPE(g_k * W_k,i x_u)> / sqrt(d),   i = j // (h/g)
+    rho(v) = 1 / sqrt(mean(v^2) + eps)  of the raw head vector (W_q,j x_t or W_k,i x_u)
+
+The bracket is a plain GQA score with the norm weights folded into W_q, W_k: TransMLA converts it as
+for Llama. The query factor lives in DeepSeek's q-LoRA path: q_a_proj = W_q (raw), q_a_layernorm = a
+per-head RMSNorm with g_q (`HeadRMSNorm`), q_b_proj = each head's converted query map. The key factor
+is one scalar per token and KV head, from `k_norm_proj` = W_k (raw); it is cached beside k_pe (g
+values per token, next to r + R) and multiplies the keys of that head group: exact, absorb included.
+
 `MixtralMLAForCausalLM`: DeepSeek-V3's MLA attention (the converter's output, absorb included) with
 Mixtral's own sparse MoE MLP (softmax over the experts, top-k, renormalised; experts carried exactly).
 No stock transformers class does both: DeepSeek-V3's router scores with a sigmoid, and transformers'
@@ -15,8 +27,17 @@ Importing this module registers the classes with transformers' Auto classes (no 
 
 from __future__ import annotations
 
+import torch
 from huggingface_hub.dataclasses import strict
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    ALL_ATTENTION_FUNCTIONS,
+    DeepseekV3Attention,
+    apply_rotary_pos_emb,
+    apply_rotary_pos_emb_interleave,
+    eager_attention_forward,
+)
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
 
@@ -47,7 +68,101 @@ AutoConfig.register(MixtralMLAConfig.model_type, MixtralMLAConfig, exist_ok=True
 AutoModelForCausalLM.register(MixtralMLAConfig, MixtralMLAForCausalLM, exist_ok=True)
 
 
+# ----------------------------------------------------------------------------- Qwen3: QK-norm
+
+
+class HeadRMSNorm(nn.Module):
+    """RMSNorm of each head of a [..., n * d] vector over its d dims, one weight [d] for all heads
+    (Qwen3's q_norm / k_norm, in float32 like Qwen3RMSNorm)."""
+
+    def __init__(self, head_dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x = x.view(*shape[:-1], -1, self.weight.shape[0]).float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * x.to(dtype)).view(shape)
+
+
+@strict
+class Qwen3MLAConfig(DeepseekV3Config):
+    """DeepseekV3Config with q_lora_rank = h * d (the raw query) + the QK-norm's constants:
+    qk_norm_groups (the original's KV heads g) and qk_norm_eps."""
+
+    model_type = "transmla_qwen3_mla"
+    qk_norm_groups: int = 1
+    qk_norm_eps: float = 1e-6
+
+
+class Qwen3MLAAttention(DeepseekV3Attention):
+    """DeepseekV3Attention + Qwen3's QK-norm (see the module docstring). Extra weights:
+    q_a_layernorm.weight [d] (g_q, a HeadRMSNorm), k_norm_proj.weight [g d, D] (W_k, raw)."""
+
+    def __init__(self, config: Qwen3MLAConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.groups = config.qk_norm_groups
+        d = config.qk_nope_head_dim
+        self.q_a_layernorm = HeadRMSNorm(d, config.qk_norm_eps)
+        self.k_norm_proj = nn.Linear(config.hidden_size, self.groups * d, bias=False)
+        self.k_norm_eps = config.qk_norm_eps
+
+    def key_scale(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """rho_k per token and KV head: 1 / rms of the raw key. [B, S, D] -> [B, S, g]"""
+        k = self.k_norm_proj(hidden_states).unflatten(-1, (self.groups, -1)).float()
+        return torch.rsqrt(k.pow(2).mean(-1) + self.k_norm_eps).to(hidden_states.dtype)
+
+    def head_scale(self, scale: torch.Tensor) -> torch.Tensor:
+        """Per-group scales [B, T, g] -> per-head [B, h, T, 1] (head j uses group j // (h / g))."""
+        return scale.repeat_interleave(self.num_heads // self.groups, dim=-1).transpose(1, 2).unsqueeze(-1)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        B, S = hidden_states.shape[:-1]
+        r, R = self.kv_lora_rank, self.qk_rope_head_dim
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))  # rho_q inside the HeadRMSNorm
+        q = q.view(B, S, -1, self.qk_head_dim).transpose(1, 2)
+        q_pass, q_rot = torch.split(q, [self.qk_nope_head_dim, R], dim=-1)
+        kv_nope, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [r, R], dim=-1)
+        kv_nope = self.kv_a_layernorm(kv_nope).view(B, 1, S, r)
+        k_rot = k_rot.view(B, 1, S, R)
+        cos, sin = position_embeddings
+        rope = apply_rotary_pos_emb_interleave if self.config.rope_interleave else apply_rotary_pos_emb
+        q_rot, k_rot = rope(q_rot, k_rot, cos, sin)
+        # the key scales travel in the cache beside k_pe: [k_pe ; rho_k], R + g values per token
+        k_rot = torch.cat([k_rot, self.key_scale(hidden_states).view(B, 1, S, self.groups)], dim=-1)
+        if past_key_values is not None:
+            kv_nope, k_rot = past_key_values.update(kv_nope, k_rot, self.layer_idx)
+        k_rot, scale = k_rot.split([R, self.groups], dim=-1)
+        key_states, value_states = self.expand_kv(kv_nope, k_rot)
+        key_states = key_states * self.head_scale(scale[:, 0])
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        out, weights = attention(self, torch.cat((q_pass, q_rot), dim=-1), key_states, value_states, attention_mask,
+                                 dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+                                 **kwargs)
+        return self.o_proj(out.reshape(B, S, -1).contiguous()), weights
+
+
+class Qwen3MLAForCausalLM(DeepseekV3ForCausalLM):
+    config_class = Qwen3MLAConfig
+
+    def __init__(self, config: Qwen3MLAConfig):
+        super().__init__(config)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn = Qwen3MLAAttention(config, i)
+        self.post_init()
+
+
+AutoConfig.register(Qwen3MLAConfig.model_type, Qwen3MLAConfig, exist_ok=True)
+AutoModelForCausalLM.register(Qwen3MLAConfig, Qwen3MLAForCausalLM, exist_ok=True)
+
+MODEL_TYPES = (MixtralMLAConfig.model_type, Qwen3MLAConfig.model_type)
+
+
 def causal_lm_class(config):
     """The class that loads a converted checkpoint's config: stock DeepseekV3ForCausalLM unless the
-    original's MLP needs one of this module's classes."""
+    original needs one of this module's classes."""
+    if isinstance(config, Qwen3MLAConfig):
+        return Qwen3MLAForCausalLM
     return MixtralMLAForCausalLM if isinstance(config, MixtralMLAConfig) else DeepseekV3ForCausalLM

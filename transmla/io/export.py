@@ -55,14 +55,16 @@ def deepseek_config(
     """config.json fields for an all-dense DeepSeek-V3 model with the given MLA shapes."""
     from transformers import DeepseekV3Config
 
-    from transmla.models import MixtralMLAConfig
+    from transmla.models import MixtralMLAConfig, Qwen3MLAConfig
 
     R = 2 * len(plan)
     rope = export_rope_parameters(spec, plan)
     # Mixtral: the same MLA fields, every MLP Mixtral's own sparse MoE (transmla.models), experts verbatim
-    cls, moe = (MixtralMLAConfig, {"n_routed_experts": spec.moe["num_local_experts"],
+    cls, extra = (MixtralMLAConfig, {"n_routed_experts": spec.moe["num_local_experts"],
                                    "num_experts_per_tok": spec.moe["num_experts_per_tok"],
                                    "router_jitter_noise": spec.moe["router_jitter_noise"]}) if spec.moe else (DeepseekV3Config, {})
+    if spec.qk_norm:  # Qwen3: the QK-norm's constants (transmla.models.Qwen3MLAAttention)
+        cls, extra = Qwen3MLAConfig, {"qk_norm_groups": spec.g, "qk_norm_eps": spec.rms_norm_eps}
     cfg = cls(
         vocab_size=spec.vocab_size,
         hidden_size=spec.D,
@@ -73,7 +75,7 @@ def deepseek_config(
         num_key_value_heads=spec.h,
         # Every layer dense; the MoE fields stay valid integers (transformers 5 rejects null).
         first_k_dense_replace=spec.n_layers,
-        **({"n_routed_experts": 1, "num_experts_per_tok": 1} | moe),
+        **({"n_routed_experts": 1, "num_experts_per_tok": 1} | extra),
         n_shared_experts=1,
         n_group=1,
         topk_group=1,
@@ -94,7 +96,8 @@ def deepseek_config(
         eos_token_id=spec.eos_token_id,
         pad_token_id=spec.pad_token_id,
     )
-    cfg.architectures = ["MixtralMLAForCausalLM" if spec.moe else "DeepseekV3ForCausalLM"]
+    cfg.architectures = ["Qwen3MLAForCausalLM" if spec.qk_norm else "MixtralMLAForCausalLM" if spec.moe
+                         else "DeepseekV3ForCausalLM"]
     cfg.dtype = dtype
     return cfg
 

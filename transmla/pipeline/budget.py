@@ -32,6 +32,19 @@ class Budget:
         return self.mla_kv / self.original_kv
 
 
+def check_mode(spec: GQASpec, o: ConvertOptions) -> None:
+    """Refuse mode x architecture pairs the converter cannot run yet."""
+    n = o.normalized()
+    if spec.qk_norm and not o.lossless and (n.calibration != "parallel" or n.refit):
+        raise TransMLAError(
+            f"{spec.model_type}: the layer-by-layer calibration ({n.calibration}) and the refit simulate each converted "
+            "layer without Qwen3's QK-norm, so they would fit the wrong attention.",
+            "convert with --calibration parallel --no-refit (the paper's statistics; --paper sets both).")
+    if spec.qk_norm and o.q_lora_rank is not None:
+        raise TransMLAError("--q-lora-rank cannot be combined with Qwen3's QK-norm (its q-LoRA path holds the query norm).",
+                            "drop --q-lora-rank.")
+
+
 def resolve_budget(spec: GQASpec, o: ConvertOptions) -> Budget:
     """Pick RoPE dim and rank from the options; one clear error for anything impossible.
 
@@ -44,6 +57,7 @@ def resolve_budget(spec: GQASpec, o: ConvertOptions) -> Budget:
     g, d = spec.g, spec.d
     L = g * d
     validate_freqfold(o.freqfold, d)
+    check_mode(spec, o)
     if o.lossless:
         return Budget(tuple(lossless_plan(d, g)), L, 2 * L)
     R = o.qk_rope_dim

@@ -330,6 +330,34 @@ def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, 
     return out[..., :rank]
 
 
+def scaled_latent_attention(query: torch.Tensor, latent: torch.Tensor, key_scale: torch.Tensor, attention_mask,
+                            scaling: float, rank: int) -> torch.Tensor:
+    """`latent_attention` with every score of head j and key t multiplied by key_scale[j, t] (Qwen3's key
+    norm), as two batched matmuls over the latent.
+
+    Args:
+        query `[B, h, S, r + R]`, latent `[B, T, r + R]`, key_scale `[B, h, T, 1]`, attention_mask and
+        scaling as in `latent_attention`, rank r.
+    Returns:
+        `torch.Tensor` of shape `[B, h, S, r]`.
+    """
+    B, h, S, _ = query.shape
+    T = latent.shape[1]
+    scores = torch.matmul(query, latent.unsqueeze(1).transpose(-1, -2)).float()  # [B, h, S, T]
+    scores = scores * (key_scale.transpose(-1, -2).float() * scaling)
+    if attention_mask is None:
+        pos = torch.arange(S, device=query.device)[:, None] + (T - S)  # bottom-right causal
+        attention_mask = (pos >= torch.arange(T, device=query.device)[None, :])[None, None]
+    else:
+        attention_mask = attention_mask[..., -T:] if attention_mask.shape[-1] != T else attention_mask
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    else:
+        scores = scores + attention_mask.float()
+    p = torch.softmax(scores, dim=-1).to(latent.dtype)
+    return torch.matmul(p, latent[..., :rank].unsqueeze(1))  # [B, h, S, r]
+
+
 def absorbed_forward(
     self,
     hidden_states: torch.Tensor,
@@ -372,16 +400,23 @@ def absorbed_forward(
     cos, sin = position_embeddings
     rope = apply_rotary_pos_emb_interleave if self.config.rope_interleave else apply_rotary_pos_emb
     q_rot, k_rot = rope(q_rot, k_rot.view(B, 1, S, R), cos, sin)
-    latent = torch.cat([c_kv, k_rot.view(B, S, R)], dim=-1)  # [B, S, r + R]
+    # Qwen3 (transmla.models.Qwen3MLAAttention): one key scale per token and KV head, cached after k_pe
+    scale = self.key_scale(hidden_states) if hasattr(self, "key_scale") else None  # [B, S, g]
+    k_rot = k_rot.view(B, S, R) if scale is None else torch.cat([k_rot.view(B, S, R), scale], dim=-1)
+    latent = torch.cat([c_kv, k_rot], dim=-1)  # [B, S, r + R (+ g)]
 
     if isinstance(past_key_values, LatentCache):
-        latent = past_key_values.update_latent(latent, self.layer_idx, r)  # [B, T, r + R]
+        latent = past_key_values.update_latent(latent, self.layer_idx, r)  # [B, T, r + R (+ g)]
     elif past_key_values is not None:  # e.g. a DynamicCache: stock layout, joined here
-        c_all, k_all = past_key_values.update(c_kv.view(B, 1, S, r), k_rot, self.layer_idx)
+        c_all, k_all = past_key_values.update(c_kv.view(B, 1, S, r), k_rot.unsqueeze(1), self.layer_idx)
         latent = torch.cat([c_all[:, 0], k_all[:, 0]], dim=-1)
 
     query = torch.cat([q_lat, q_rot], dim=-1)  # [B, h, S, r + R]
-    out = latent_attention(query, latent, attention_mask, self.scaling, r)  # [B, h, S, r]
+    if scale is None:
+        out = latent_attention(query, latent, attention_mask, self.scaling, r)  # [B, h, S, r]
+    else:
+        latent, scale = latent.split([r + R, scale.shape[-1]], dim=-1)
+        out = scaled_latent_attention(query, latent, self.head_scale(scale), attention_mask, self.scaling, r)
 
     # Values, absorbed: W_UV folded into o_proj (or applied per head on the r-dim result).
     if "absorb_o_weight" in self._buffers:
