@@ -49,11 +49,12 @@ def _config_only_dir(tmp_path, cfg: dict):
 @pytest.mark.parametrize("cfg, words", [
     ({"model_type": "qwen3_moe", "num_attention_heads": 16, "num_key_value_heads": 8}, "QK-norm"),
     ({"model_type": "qwen3", "rope_theta": 1e6, "attention_bias": True}, "attention biases"),
-    ({"model_type": "gemma3_text", "num_attention_heads": 4, "num_key_value_heads": 1}, "post-attention"),
+    ({"model_type": "gemma3", "num_attention_heads": 4, "num_key_value_heads": 1}, "multimodal"),
+    ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping"),
     ({"model_type": "gemma2"}, "soft-capping"),
     ({"model_type": "qwen2_moe"}, "shared expert"),
     ({"model_type": "mixtral", "sliding_window": 4096, "rope_theta": 1e4}, "Sliding-window"),
-    ({"model_type": "gpt2"}, "handles llama, mistral, mixtral, qwen2, qwen3"),
+    ({"model_type": "gpt2"}, "handles gemma3_text, llama, mistral, mixtral, qwen2, qwen3"),
     ({"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn'"),
     ({"model_type": "llama", "rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_theta": 1e4}, "'dynamic'"),
 ])
@@ -91,8 +92,9 @@ def test_gguf_header_names_the_architecture_without_dequantising(tmp_path, monke
     assert meta["general.architecture"] == "gemma3" and meta["__tensor_names__"] == ["token_embd.weight"]
     cfg = config_from_metadata(meta)
     assert cfg["model_type"] == "gemma3_text" and (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 1)
-    with pytest.raises(TransMLAError, match="QK-norm"):
-        convert(f"gguf:{tmp_path / 'g.gguf'}", tmp_path / "out", ConvertOptions(**CAL), progress=False)
+    _write_gguf(tmp_path / "g2.gguf", "gemma2")
+    with pytest.raises(TransMLAError, match="soft-capping"):
+        convert(f"gguf:{tmp_path / 'g2.gguf'}", tmp_path / "out", ConvertOptions(**CAL), progress=False)
     # llama.cpp files Mixtral as "llama" with experts: still recognised as MoE
     _write_gguf(tmp_path / "m.gguf", "llama", expert_count=8)
     assert config_from_metadata(read_metadata(tmp_path / "m.gguf"))["model_type"] == "mixtral"
@@ -112,12 +114,18 @@ def test_gguf_header_read_across_split_parts(tmp_path):
 
 
 def test_unsupported_catalog_model_is_refused_without_download(tmp_path, monkeypatch):
+    """A catalog entry records its model type: an unsupported one is refused before pip runs."""
+    from dataclasses import replace
+
     _no_weights(monkeypatch)
     assert source_config("gemma3-270m", cache=tmp_path)["model_type"] == "gemma3_text"
-    r = subprocess.run([sys.executable, "-m", "transmla.cli", "convert", "--model", "gemma3-270m", "--out",
-                        str(tmp_path / "out"), "--cache-dir", str(tmp_path)], capture_output=True, text=True)
-    assert r.returncode == 2 and "post-attention" in r.stderr and "installing" not in r.stderr
+    monkeypatch.setitem(sources.CATALOG, "gemma2-test", replace(sources.CATALOG["gemma3-270m"], model_type="gemma2"))
+    with pytest.raises(TransMLAError, match="soft-capping"):
+        convert("gemma2-test", tmp_path / "out", ConvertOptions(**CAL), cache=tmp_path, progress=False)
     assert not (tmp_path / "out").exists() and not (tmp_path / "models").exists()
+    r = subprocess.run([sys.executable, "-m", "transmla.cli", "convert", "--model", "gpt2-nope/x", "--out",
+                        str(tmp_path / "out2"), "--cache-dir", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode != 0 and not (tmp_path / "out2").exists()
 
 
 # --- RoPE scaling carried exactly ----------------------------------------------------------------
@@ -331,3 +339,55 @@ def test_qwen3_compressed_needs_the_parallel_mode(tmp_path, tiny_tokenizer):
     mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         assert torch.isfinite(mla(torch.arange(32)[None]).logits).all()
+
+
+# --- Gemma 3: its own layers, MLA attention (transmla.models.Gemma3MLAForCausalLM) ---------------
+
+
+def _tiny_gemma3(tmp_path, tok):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                           rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, pad_token_id=0, sliding_window=16,
+                           query_pre_attn_scalar=24,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                           rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # Gemma norms are 1 + w: make w matter everywhere
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)
+    d = tmp_path / "tiny-gemma3"
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_lossless_conversion_of_a_gemma3(tmp_path, tiny_tokenizer):
+    """Gemma 3 (post-norms, (1 + w) weights, embedding scale, QK-norm, query_pre_attn_scalar, sliding and
+    global layers with their own RoPE, one linear-scaled): lossless within 1e-3 beyond the window, same
+    greedy tokens with and without absorb, loads with AutoModelForCausalLM after `import transmla.models`."""
+    from transmla.runtime.absorb import enable_absorb
+
+    src = _tiny_gemma3(tmp_path, tiny_tokenizer)
+    out = tmp_path / "mla"
+    convert(str(src), out, ConvertOptions(lossless=True, **CAL), progress=False)
+    import transmla.models  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(mla).__name__ == "Gemma3MLAForCausalLM"
+    ids = torch.randint(1, len(tiny_tokenizer), (1, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = (torch.log_softmax(m(ids).logits.float(), -1) for m in (model, mla))
+    assert (a - b).abs().max() < 1e-3
+    prompt = ids[:, :8]
+    g1 = model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert torch.equal(g1, mla.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False))
+    enable_absorb(mla)
+    with torch.no_grad():
+        assert (a - torch.log_softmax(mla(ids).logits.float(), -1)).abs().max() < 1e-3
+    assert torch.equal(g1, mla.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False))

@@ -13,21 +13,20 @@ import torch
 from transmla.errors import TransMLAError
 
 # model_type -> whether q/k/v carry biases (read from the weights anyway; this is documentation).
-SUPPORTED = {"llama": False, "mistral": False, "qwen2": True, "mixtral": False, "qwen3": False}
+SUPPORTED = {"llama": False, "mistral": False, "qwen2": True, "mixtral": False, "qwen3": False, "gemma3_text": False}
 
 # What in each known but unsupported family stock DeepSeek MLA cannot express (or this converter does
 # not carry yet): the refusal names the obstacle, not just the family.
 OBSTACLES = {
     "gemma": "(1 + w) RMSNorm weights and embedding scaling by sqrt(hidden) (not carried yet)",
     "gemma2": "post-attention and post-feedforward norms, query_pre_attn_scalar, attention logit soft-capping "
-              "and alternating sliding-window layers: stock DeepSeek layers express none of them",
-    "gemma3_text": "post-attention and post-feedforward norms, per-head QK-norm, query_pre_attn_scalar and "
-                   "sliding-window layers with their own RoPE base: stock DeepSeek layers express none of them",
+              "and alternating sliding-window layers (not carried yet: Gemma 3's class covers all but soft-capping)",
     "qwen2_moe": "mixture-of-experts MLP with a sigmoid-gated shared expert (not carried yet)",
-    "qwen3_moe": "per-head QK-norm and a mixture-of-experts MLP",
+    "qwen3_moe": "per-head QK-norm and a mixture-of-experts MLP together (not carried yet)",
     "phi3": "fused qkv projection and partial rotary embeddings (not carried yet)",
 }
-OBSTACLES["gemma3"] = OBSTACLES["gemma3_text"]
+OBSTACLES["gemma3"] = ("the multimodal Gemma 3 wrapper (vision tower + text model): only its text model "
+                       "(model_type gemma3_text, e.g. Gemma-3-270M/1B) is converted")
 
 # RoPE types whose scaling is a function of each frequency alone and needs no head-dim-dependent
 # constant, so a RoPE head that keeps a subset of the frequencies can carry it exactly.
@@ -59,6 +58,11 @@ def check_config(cfg) -> None:
             + f" The converter handles {families}.",
             "convert a Llama-, Qwen2-, Mistral- or Mixtral-family model (SmolLM2 is llama).",
         )
+    if mt == "gemma3_text":  # transmla.models.Gemma3MLAForCausalLM keeps Gemma's RoPE and sliding layers as they are
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if _get(cfg, key, None) is not None:
+                raise TransMLAError(f"Gemma 3 with {key} is not carried yet.", "convert a checkpoint without soft-capping.")
+        return
     sliding = _get(cfg, "sliding_window", None)
     if sliding and _get(cfg, "use_sliding_window", mt in ("mistral", "mixtral")):
         raise TransMLAError(
@@ -113,7 +117,9 @@ class GQASpec:
     rope_parameters: dict = field(default_factory=dict, hash=False)
     # Mixtral's MoE (num_local_experts, num_experts_per_tok, router_jitter_noise), carried verbatim; empty = dense
     moe: dict = field(default_factory=dict, hash=False)
-    qk_norm: bool = False  # Qwen3: per-head RMSNorm of queries and keys before RoPE (transmla.models.Qwen3MLAAttention)
+    qk_norm: bool = False  # Qwen3, Gemma 3: per-head RMSNorm of queries and keys before RoPE (transmla.models)
+    # Gemma 3: the original config, kept whole by the export (its layers stay Gemma's but for attention)
+    original_config: dict = field(default_factory=dict, hash=False)
 
 
 @dataclass
@@ -141,7 +147,9 @@ def read_spec(cfg) -> GQASpec:
     """Validate a transformers config and describe it; unsupported models get one clear error."""
     check_config(cfg)
     mt = cfg.model_type
-    rp = rope_parameters(cfg)
+    gemma = mt == "gemma3_text"
+    # Gemma 3: RoPE per layer type; the MLA class gathers the original's own cos/sin, so only a base is recorded
+    rp = dict(cfg.rope_parameters["full_attention"]) if gemma else rope_parameters(cfg)
     h = cfg.num_attention_heads
     g = getattr(cfg, "num_key_value_heads", None) or h
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
@@ -149,13 +157,15 @@ def read_spec(cfg) -> GQASpec:
         model_type=mt, D=cfg.hidden_size, h=h, g=g, d=d, n_layers=cfg.num_hidden_layers, rope_theta=float(rp["rope_theta"]),
         rope_parameters=rp,
         rms_norm_eps=float(cfg.rms_norm_eps), vocab_size=cfg.vocab_size, intermediate_size=cfg.intermediate_size,
-        hidden_act=cfg.hidden_act, max_position_embeddings=cfg.max_position_embeddings,
+        hidden_act=getattr(cfg, "hidden_act", None) or cfg.hidden_activation,  # Gemma names it hidden_activation
+        max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         bos_token_id=getattr(cfg, "bos_token_id", None), eos_token_id=getattr(cfg, "eos_token_id", None),
         pad_token_id=getattr(cfg, "pad_token_id", None),
         moe={k: getattr(cfg, k) for k in ("num_local_experts", "num_experts_per_tok", "router_jitter_noise")}
         if mt == "mixtral" else {},
-        qk_norm=mt == "qwen3",
+        qk_norm=mt in ("qwen3", "gemma3_text"),
+        original_config=cfg.to_dict() if gemma else {},
     )
 
 
@@ -173,8 +183,10 @@ def attention_weights(model, layer: int) -> AttentionWeights:
         wq=w(attn.q_proj), wk=w(attn.k_proj), wv=w(attn.v_proj), wo=w(attn.o_proj),
         bq=b(attn.q_proj), bk=b(attn.k_proj), bv=b(attn.v_proj), bo=b(attn.o_proj),
     )
-    if getattr(attn, "q_norm", None) is not None:  # Qwen3: fold the norm weights into the raw projections
+    if getattr(attn, "q_norm", None) is not None:  # Qwen3, Gemma 3: fold the norm weights into the raw projections
         gq, gk = w(attn.q_norm), w(attn.k_norm)
+        if model.config.model_type == "gemma3_text":  # Gemma's RMSNorm multiplies by (1 + weight)
+            gq, gk = 1 + gq, 1 + gk
         d = gq.shape[0]
         out.wq_raw, out.wk_raw, out.q_norm, out.k_norm = out.wq, out.wk, gq, gk
         out.wq = (out.wq.view(-1, d, out.wq.shape[1]) * gq[:, None]).reshape(out.wq.shape)

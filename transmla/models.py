@@ -30,7 +30,14 @@ from __future__ import annotations
 import torch
 from huggingface_hub.dataclasses import strict
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+)
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     ALL_ATTENTION_FUNCTIONS,
     DeepseekV3Attention,
@@ -157,12 +164,86 @@ class Qwen3MLAForCausalLM(DeepseekV3ForCausalLM):
 AutoConfig.register(Qwen3MLAConfig.model_type, Qwen3MLAConfig, exist_ok=True)
 AutoModelForCausalLM.register(Qwen3MLAConfig, Qwen3MLAForCausalLM, exist_ok=True)
 
-MODEL_TYPES = (MixtralMLAConfig.model_type, Qwen3MLAConfig.model_type)
+
+# ----------------------------------------------------------------------------- Gemma 3
+
+
+@strict
+class Gemma3MLAConfig(Gemma3TextConfig):
+    """Gemma3TextConfig (everything but attention as in the original) + the MLA attention's shapes.
+    rope_plan: the original frequency index carried by each RoPE pair of the MLA head."""
+
+    model_type = "transmla_gemma3_mla"
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = None
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 256
+    v_head_dim: int = 256
+    rope_plan: list[int] | None = None
+    rope_interleave: bool = True
+    qk_norm_groups: int = 1
+    qk_norm_eps: float = 1e-6
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+class Gemma3MLAAttention(Qwen3MLAAttention):
+    """MLA attention inside Gemma 3's own decoder layer (its four norms, embedding scale, per-layer-type
+    RoPE and sliding windows stay Gemma's). Differences from Qwen3MLAAttention: the RoPE cos/sin are the
+    original layer type's own, gathered at `rope_plan` (any base, any scaling: exact by construction);
+    the softmax scale is query_pre_attn_scalar^-1/2 (the converter folds sqrt((d + R) / d) into the
+    queries); sliding layers pass their window; every KV head is materialised per query head."""
+
+    def __init__(self, config: Gemma3MLAConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.num_key_value_groups = 1  # expand_kv gives one key per query head
+        self.layer_type = config.layer_types[layer_idx]
+        self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
+        self.is_sliding = self.layer_type == "sliding_attention"
+        d, R = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.scaling = config.query_pre_attn_scalar**-0.5 * (d / (d + R)) ** 0.5
+        # a plain attribute, not a buffer: from_pretrained builds on the meta device and would not restore it
+        self.rope_plan = list(config.rope_plan)
+
+    def mla_position_embeddings(self, position_embeddings):
+        """Gemma's (cos, sin) [B, S, d] (rotate_half: [f ; f]) -> the MLA head's [B, S, R] at rope_plan."""
+        cos, sin = position_embeddings
+        idx = torch.tensor(self.rope_plan, device=cos.device)
+        cos, sin = cos[..., idx], sin[..., idx]
+        return torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+        return super().forward(hidden_states, self.mla_position_embeddings(position_embeddings), attention_mask,
+                               past_key_values, sliding_window=self.sliding_window, **kwargs)
+
+
+class Gemma3MLAForCausalLM(Gemma3ForCausalLM):
+    """Gemma3ForCausalLM whose attention layers are `Gemma3MLAAttention` (weights under the DeepSeek
+    names: q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj,
+    k_norm_proj). Not servable by vLLM (no such model there)."""
+
+    config_class = Gemma3MLAConfig
+
+    def __init__(self, config: Gemma3MLAConfig):
+        super().__init__(config)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn = Gemma3MLAAttention(config, i)
+        self.post_init()
+
+
+AutoConfig.register(Gemma3MLAConfig.model_type, Gemma3MLAConfig, exist_ok=True)
+AutoModelForCausalLM.register(Gemma3MLAConfig, Gemma3MLAForCausalLM, exist_ok=True)
+
+MODEL_TYPES = (MixtralMLAConfig.model_type, Qwen3MLAConfig.model_type, Gemma3MLAConfig.model_type)
 
 
 def causal_lm_class(config):
     """The class that loads a converted checkpoint's config: stock DeepseekV3ForCausalLM unless the
     original needs one of this module's classes."""
+    if isinstance(config, Gemma3MLAConfig):
+        return Gemma3MLAForCausalLM
     if isinstance(config, Qwen3MLAConfig):
         return Qwen3MLAForCausalLM
     return MixtralMLAForCausalLM if isinstance(config, MixtralMLAConfig) else DeepseekV3ForCausalLM

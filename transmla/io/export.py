@@ -55,9 +55,18 @@ def deepseek_config(
     """config.json fields for an all-dense DeepSeek-V3 model with the given MLA shapes."""
     from transformers import DeepseekV3Config
 
-    from transmla.models import MixtralMLAConfig, Qwen3MLAConfig
+    from transmla.models import Gemma3MLAConfig, MixtralMLAConfig, Qwen3MLAConfig
 
     R = 2 * len(plan)
+    if spec.model_type == "gemma3_text":  # Gemma's own layers, MLA attention (transmla.models.Gemma3MLAForCausalLM)
+        keep = {k: v for k, v in spec.original_config.items()
+                if k not in ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype")}
+        cfg = Gemma3MLAConfig(**keep, kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank, qk_rope_head_dim=R,
+                              qk_nope_head_dim=spec.d, v_head_dim=spec.d, rope_plan=list(plan), rope_interleave=True,
+                              qk_norm_groups=spec.g, qk_norm_eps=spec.rms_norm_eps)
+        cfg.architectures = ["Gemma3MLAForCausalLM"]
+        cfg.dtype = dtype
+        return cfg
     rope = export_rope_parameters(spec, plan)
     # Mixtral: the same MLA fields, every MLP Mixtral's own sparse MoE (transmla.models), experts verbatim
     cls, extra = (MixtralMLAConfig, {"n_routed_experts": spec.moe["num_local_experts"],

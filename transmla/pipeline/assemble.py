@@ -39,7 +39,7 @@ def conversion_metadata(source: dict, spec: GQASpec, budget: Budget, o: ConvertO
         )
     if any(d.get("q_bias_carrier") for d in diags):
         notes.append("q bias carried exactly by a (hidden+1)-rank q_a/q_b pair (DeepSeek's q_proj has no bias).")
-    if spec.qk_norm:
+    if spec.model_type == "qwen3":
         notes.append("Qwen3 QK-norm kept exactly by transmla.models.Qwen3MLAForCausalLM (per-head query norm in the "
                      "q-LoRA path, one cached key scale per token and KV head): transformers only, not vLLM.")
     if spec.model_type == "qwen2":
@@ -49,7 +49,10 @@ def conversion_metadata(source: dict, spec: GQASpec, budget: Budget, o: ConvertO
     if rtype != "default":
         notes.append(f"the original's {rtype} RoPE scaling carried exactly: transformers only (vLLM's DeepSeek RoPE "
                      "reads any scaled RoPE as DeepSeek-YaRN).")
-    if not is_standard(list(budget.plan), spec.d):
+    if spec.model_type == "gemma3_text":
+        notes.append("Gemma 3: its own decoder layers (four norms, embedding scale, per-layer-type RoPE, sliding "
+                     "windows) with MLA attention, transmla.models.Gemma3MLAForCausalLM: transformers only, not vLLM.")
+    elif not is_standard(list(budget.plan), spec.d):
         notes.append("non-standard RoPE frequencies exported as LongRoPE factors: transformers only, not vLLM.")
     mean = lambda k: float(sum(d[k] for d in diags) / len(diags))  # noqa: E731
     return {

@@ -35,7 +35,7 @@ class Budget:
 def check_mode(spec: GQASpec, o: ConvertOptions) -> None:
     """Refuse mode x architecture pairs the converter cannot run yet."""
     n = o.normalized()
-    if spec.qk_norm and not o.lossless and (n.calibration != "parallel" or n.refit):
+    if spec.qk_norm and (n.calibration != "parallel" or n.refit):
         raise TransMLAError(
             f"{spec.model_type}: the layer-by-layer calibration ({n.calibration}) and the refit simulate each converted "
             "layer without Qwen3's QK-norm, so they would fit the wrong attention.",

@@ -381,6 +381,8 @@ def absorbed_forward(
 
     B, S, _ = hidden_states.shape
     h, r, R, dn = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim
+    if hasattr(self, "mla_position_embeddings"):  # Gemma 3 (transmla.models): the original's cos/sin at the RoPE plan
+        position_embeddings = self.mla_position_embeddings(position_embeddings)
 
     # Queries, absorbed: [W_UK^T q_nope ; q_rope] per head.
     x_q = hidden_states if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(hidden_states))
