@@ -21,7 +21,9 @@ OBSTACLES = {
     "gemma": "(1 + w) RMSNorm weights and embedding scaling by sqrt(hidden) (not carried yet)",
     "gemma2": "post-attention and post-feedforward norms, query_pre_attn_scalar, attention logit soft-capping "
               "and alternating sliding-window layers (not carried yet: Gemma 3's class covers all but soft-capping)",
-    "qwen2_moe": "mixture-of-experts MLP with a sigmoid-gated shared expert (not carried yet)",
+    "qwen2_moe": "mixture-of-experts MLP with a sigmoid-gated shared expert: no DeepSeek router computes that gate, "
+                 "so it needs a model class of this package keeping Qwen2MoeSparseMoeBlock (as MixtralMLAForCausalLM "
+                 "keeps Mixtral's); not built yet",
     "qwen3_moe": "per-head QK-norm and a mixture-of-experts MLP together (not carried yet)",
     "phi3": "fused qkv projection and partial rotary embeddings (not carried yet)",
 }
