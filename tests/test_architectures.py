@@ -327,18 +327,31 @@ def test_lossless_conversion_of_a_qwen3(tmp_path, tiny_tokenizer):
     assert cache.values_per_token_per_layer() == [r + R + 2] * 2  # + one key scale per KV head
 
 
-def test_qwen3_compressed_needs_the_parallel_mode(tmp_path, tiny_tokenizer):
-    """A real cut converts in the paper's statistics mode; the layer-by-layer modes are refused with the fix."""
+def test_qwen3_compressed_default_mode_and_its_simulation(tmp_path, tiny_tokenizer):
+    """A real cut in the default mode (sequential calibration + refit): the stream's simulation of a
+    converted QK-norm layer (pipeline.stream.mla_attention) equals the exported module's output, so the
+    layer-by-layer statistics and the refit see the attention the user will run."""
+    from transmla.pipeline.stream import MLAShapes, mla_attention
+
     src = _tiny_qwen3(tmp_path, tiny_tokenizer)
-    with pytest.raises(TransMLAError, match="--calibration parallel --no-refit"):
-        convert(str(src), tmp_path / "x", ConvertOptions(qk_rope_dim=8, kv_lora_rank=16, **CAL), progress=False)
-    assert not (tmp_path / "x").exists()
     out = tmp_path / "mla"
-    convert(str(src), out, ConvertOptions(qk_rope_dim=8, kv_lora_rank=16, calibration="parallel", refit=False, **CAL),
-            progress=False)
+    meta = convert(str(src), out, ConvertOptions(qk_rope_dim=8, kv_lora_rank=16, **CAL), progress=False)
+    assert meta["options"]["calibration"] == "sequential" and meta["options"]["refit"]
+    orig = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    attn = mla.model.layers[0].self_attn
+    x = torch.randn(2, 20, 64)
+    pos = torch.arange(20)[None].expand(2, -1)
     with torch.no_grad():
-        assert torch.isfinite(mla(torch.arange(32)[None]).logits).all()
+        want = attn(x, mla.model.rotary_emb(x, pos), None)[0]
+        layer = {k: v for k, v in attn.state_dict().items()}
+        s = MLAShapes(4, 16, 8, 16, 1e-6, tuple(meta["rope_frequencies"]), 1e-6)
+        cos, sin = orig.model.rotary_emb(x, pos)
+        got = mla_attention(x, layer, s, cos, sin)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(TransMLAError, match="two-pass"):
+        convert(str(src), tmp_path / "x", ConvertOptions(qk_rope_dim=8, kv_lora_rank=16, calibration="two_pass", **CAL),
+                progress=False)
 
 
 # --- Gemma 3: its own layers, MLA attention (transmla.models.Gemma3MLAForCausalLM) ---------------

@@ -23,7 +23,10 @@ from transmla.method.mla import MLALayer
 
 
 def rebase_query(layer: MLALayer, w: AttentionWeights, h: int, d: int) -> MLALayer:
-    """The layer with its query re-based on Qwen3's normalised raw query (see the module docstring)."""
+    """The layer with its query re-based on Qwen3's normalised raw query (see the module docstring);
+    a layer already in that form is returned as is."""
+    if layer.q_proj is None and layer.k_norm_proj is not None:
+        return layer
     if layer.q_proj is None:
         raise ValueError("QK-norm layers are built with a plain q_proj (no q_lora_rank)")
     D = w.wq.shape[1]

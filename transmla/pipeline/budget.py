@@ -35,11 +35,14 @@ class Budget:
 def check_mode(spec: GQASpec, o: ConvertOptions) -> None:
     """Refuse mode x architecture pairs the converter cannot run yet."""
     n = o.normalized()
-    if spec.qk_norm and (n.calibration != "parallel" or n.refit):
+    if spec.model_type == "gemma3_text" and (n.calibration != "parallel" or n.refit):
         raise TransMLAError(
-            f"{spec.model_type}: the layer-by-layer calibration ({n.calibration}) and the refit simulate each converted "
-            "layer without Qwen3's QK-norm, so they would fit the wrong attention.",
+            f"Gemma 3's sliding-window layers are not simulated by the layer-by-layer calibration ({n.calibration}) "
+            "or the refit yet.",
             "convert with --calibration parallel --no-refit (the paper's statistics; --paper sets both).")
+    if n.calibration == "two_pass" and spec.qk_norm:
+        raise TransMLAError("The two-pass mode's RoPE-dropped layers are not built for QK-norm models.",
+                            "use --calibration sequential (the default) or parallel.")
     if spec.qk_norm and o.q_lora_rank is not None:
         raise TransMLAError("--q-lora-rank cannot be combined with Qwen3's QK-norm (its q-LoRA path holds the query norm).",
                             "drop --q-lora-rank.")

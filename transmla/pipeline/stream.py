@@ -45,6 +45,7 @@ class MLAShapes:
     r: int
     eps: float
     plan: tuple[int, ...]
+    qk_norm_eps: float | None = None  # Qwen3's QK-norm (method.qknorm): per-head query norm + key scales
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,8 +73,16 @@ def attention_latents(x: torch.Tensor, layer: dict[str, torch.Tensor], s: MLASha
     o_proj; all the refit needs)."""
     B, T, _ = x.shape
     h, d, R, r = s.h, s.d, s.R, s.r
+    key_scale = None
     if "q_proj.weight" in layer:
         q = x @ layer["q_proj.weight"].T
+    elif "k_norm_proj.weight" in layer:  # QK-norm: per-head query norm, one key scale per token and KV head
+        dq = layer["q_a_layernorm.weight"].shape[0]
+        qa = (x @ layer["q_a_proj.weight"].T).unflatten(-1, (-1, dq))
+        q = _rms(qa, layer["q_a_layernorm.weight"], s.qk_norm_eps).flatten(-2) @ layer["q_b_proj.weight"].T
+        k = (x @ layer["k_norm_proj.weight"].T).unflatten(-1, (-1, dq))  # [B, T, g, d]
+        rho = torch.rsqrt(k.pow(2).mean(-1) + s.qk_norm_eps)  # [B, T, g]
+        key_scale = rho.repeat_interleave(h // rho.shape[-1], -1).transpose(1, 2)  # [B, h, T]
     else:
         qa = x @ layer["q_a_proj.weight"].T
         if "q_a_proj.bias" in layer:
@@ -92,14 +101,15 @@ def attention_latents(x: torch.Tensor, layer: dict[str, torch.Tensor], s: MLASha
     w_uk = layer["kv_b_proj.weight"].view(h, 2 * d, r)[:, :d]
     q_abs = torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk)
     return shared_key_attention(torch.cat([q_abs, q_rot], -1), torch.cat([c, k_rot], -1)[:, 0], c[:, 0],
-                                1 / math.sqrt(d + R))
+                                1 / math.sqrt(d + R), key_scale=key_scale)
 
 
 def shared_key_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                         max_scores: int = 1 << 25) -> torch.Tensor:
+                         max_scores: int = 1 << 25, key_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal softmax(scale q key^T) value with one key/value shared by every head (MLA's latent head).
 
-    q [B, h, T, e], key [B, T, e], value [B, T, r] -> [B, h, T, r]. The heads are folded into the query
+    q [B, h, T, e], key [B, T, e], value [B, T, r] -> [B, h, T, r]; key_scale [B, h, T] (optional)
+    multiplies the scores of head j on key t (Qwen3's key norm). The heads are folded into the query
     rows of one batched matmul: SDPA would need the key expanded to every head, a copy per head (a third
     of the conversion's attention time on SmolLM2). Heads go in chunks whose scores hold at most
     `max_scores` floats (long calibration windows stay in bounded memory).
@@ -111,7 +121,10 @@ def shared_key_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     kt = key.transpose(1, 2)
     for a in range(0, h, k):
         n = min(k, h - a)
-        s = torch.bmm(q[:, a : a + n].reshape(B, n * T, e), kt).mul_(scale).view(B, n, T, T).add_(mask)
+        s = torch.bmm(q[:, a : a + n].reshape(B, n * T, e), kt).mul_(scale).view(B, n, T, T)
+        if key_scale is not None:
+            s.mul_(key_scale[:, a : a + n, None, :])
+        s.add_(mask)
         p = torch.softmax(s, -1).view(B, n * T, T)
         out[:, a : a + n] = torch.bmm(p, value).view(B, n, T, -1)
     return out
@@ -127,7 +140,7 @@ def _output(z: torch.Tensor, layer: dict[str, torch.Tensor], s: MLAShapes) -> to
 
 def _scores(layer: dict[str, torch.Tensor], s: MLAShapes) -> list[torch.Tensor]:
     """The weights z depends on: queries, kv_a (+ norm) and W_UK."""
-    keep = [v for k, v in sorted(layer.items()) if k.startswith(("q_", "kv_a"))]
+    keep = [v for k, v in sorted(layer.items()) if k.startswith(("q_", "kv_a", "k_norm"))]
     return keep + [layer["kv_b_proj.weight"].view(s.h, 2 * s.d, s.r)[:, : s.d]]
 
 
