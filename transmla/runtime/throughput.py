@@ -35,7 +35,9 @@ GIB = 2**30
 
 
 def is_mla(config) -> bool:
-    return getattr(config, "model_type", None) in ("deepseek_v3", "deepseek_v2", "transmla_mixtral_mla") and hasattr(config, "kv_lora_rank")
+    mt = getattr(config, "model_type", None) or ""
+    # this package's MLA classes (transmla.models) are named transmla_*_mla
+    return (mt in ("deepseek_v3", "deepseek_v2") or mt.startswith("transmla_")) and hasattr(config, "kv_lora_rank")
 
 
 @functools.lru_cache(maxsize=1)

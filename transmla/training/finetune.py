@@ -258,7 +258,7 @@ def check_stock_deepseek(model) -> None:
         raise TransMLAError(
             f"finetune expects a converted DeepseekV3 checkpoint, got model_type={model.config.model_type!r}.",
             "convert the model first (transmla convert / the convert stage) and fine-tune its output directory "
-            "(Mixtral / MoE exports are not fine-tunable yet).",
+            "(exports into this package's classes, Mixtral, Qwen3 and Gemma 3, are not fine-tunable yet).",
         )
 
 
