@@ -404,3 +404,32 @@ def test_lossless_conversion_of_a_gemma3(tmp_path, tiny_tokenizer):
     with torch.no_grad():
         assert (a - torch.log_softmax(mla(ids).logits.float(), -1)).abs().max() < 1e-3
     assert torch.equal(g1, mla.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False))
+
+
+def test_gemma3_default_mode_and_its_simulation(tmp_path, tiny_tokenizer):
+    """Default mode (sequential calibration + refit) on Gemma 3: the stream simulates a sliding layer and a
+    global layer (their windows, RoPE, query_pre_attn_scalar and QK-norm) exactly as the exported modules run."""
+    from transmla.pipeline.stream import MLAShapes, mla_attention
+
+    src = _tiny_gemma3(tmp_path, tiny_tokenizer)
+    out = tmp_path / "mla"
+    meta = convert(str(src), out, ConvertOptions(qk_rope_dim=8, kv_lora_rank=24, **CAL), progress=False)
+    assert meta["options"]["calibration"] == "sequential" and meta["options"]["refit"]
+    orig = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    x = torch.randn(2, 40, 64)
+    pos = torch.arange(40)[None].expand(2, -1)
+    s = MLAShapes(4, 32, 8, 24, 1e-6, tuple(meta["rope_frequencies"]), 1e-6)
+    from transmla.pipeline.stream import LayerStream
+
+    for i in (0, 2):  # sliding (window 16), global (linear-scaled RoPE)
+        attn, o_attn = mla.model.layers[i].self_attn, orig.model.layers[i].self_attn
+        kind = o_attn.layer_type
+        with torch.no_grad():
+            cos, sin = orig.model.rotary_emb(x, pos, kind)
+            mask = torch.ones(40, 40, dtype=torch.bool).tril()
+            if kind == "sliding_attention":
+                mask &= ~torch.ones(40, 40, dtype=torch.bool).tril(-mla.config.sliding_window)
+            want = attn(x, (cos, sin), mask[None, None])[0]
+            got = mla_attention(x, dict(attn.state_dict()), s, cos, sin, **LayerStream._sim(o_attn, s))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -35,11 +35,6 @@ class Budget:
 def check_mode(spec: GQASpec, o: ConvertOptions) -> None:
     """Refuse mode x architecture pairs the converter cannot run yet."""
     n = o.normalized()
-    if spec.model_type == "gemma3_text" and (n.calibration != "parallel" or n.refit):
-        raise TransMLAError(
-            f"Gemma 3's sliding-window layers are not simulated by the layer-by-layer calibration ({n.calibration}) "
-            "or the refit yet.",
-            "convert with --calibration parallel --no-refit (the paper's statistics; --paper sets both).")
     if n.calibration == "two_pass" and spec.qk_norm:
         raise TransMLAError("The two-pass mode's RoPE-dropped layers are not built for QK-norm models.",
                             "use --calibration sequential (the default) or parallel.")
