@@ -373,6 +373,9 @@ def _tiny_gemma3(tmp_path, tok):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(-0.5, 0.5)
+        # as in Gemma-3-270M: some QK-norm dims have 1 + w = 0 (a folded W_q / W_k with zero rows)
+        model.model.layers[0].self_attn.q_norm.weight[0] = -1.0
+        model.model.layers[0].self_attn.k_norm.weight[:3] = -1.0
     d = tmp_path / "tiny-gemma3"
     model.save_pretrained(d)
     tok.save_pretrained(d)

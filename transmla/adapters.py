@@ -58,7 +58,7 @@ def check_config(cfg) -> None:
         raise TransMLAError(
             f"Unsupported architecture {mt!r}" + (f": {why}." if why else ".")
             + f" The converter handles {families}.",
-            "convert a Llama-, Qwen2-, Mistral- or Mixtral-family model (SmolLM2 is llama).",
+            "convert a model of one of those families (SmolLM2 is llama; Gemma-3-270M/1B are gemma3_text).",
         )
     if mt == "gemma3_text":  # transmla.models.Gemma3MLAForCausalLM keeps Gemma's RoPE and sliding layers as they are
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):

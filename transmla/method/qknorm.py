@@ -8,7 +8,7 @@ n_j = rho_q,j g_q * W_q,j x = rho_q,j W'_q,j x, the same map gives rho_q,j times
 
     q_a_proj = W_q (raw) [h d, D],   q_a_layernorm = g_q (per head, HeadRMSNorm),   q_b_proj = blockdiag(Q_j)
 
-Q_j is recovered from the built rows by least squares against W'_q,j (exact: the rows are Q_j W'_q,j
+Q_j is recovered from the built rows by the pseudo-inverse of W'_q,j (exact: the rows are Q_j W'_q,j
 by construction; the residual is checked). The key factor rho_k,i needs the raw key: k_norm_proj = W_k.
 """
 
@@ -32,8 +32,9 @@ def rebase_query(layer: MLALayer, w: AttentionWeights, h: int, d: int) -> MLALay
     D = w.wq.shape[1]
     rows = layer.q_proj.double().view(h, -1, D)  # [h, d + R, D]
     wf = w.wq.double().view(h, d, D)  # W'_q per head (norm weight folded)
-    # Q_j = rows_j W'_j^T (W'_j W'_j^T)^-1: one [d, d] solve per head
-    Q = torch.linalg.solve(wf @ wf.transpose(1, 2), wf @ rows.transpose(1, 2)).transpose(1, 2)  # [h, d + R, d]
+    # Q_j = rows_j pinv(W'_j): the pseudo-inverse, since a norm weight may be exactly zero (Gemma-3-270M
+    # has dims with 1 + w = 0), which zeroes rows of W'_j; those columns of Q_j then meet only zeros
+    Q = rows @ torch.linalg.pinv(wf)  # [h, d + R, D] x [h, D, d] -> [h, d + R, d]
     err = (Q @ wf - rows).norm() / rows.norm()
     if err > max(1e-6, 50 * torch.finfo(layer.q_proj.dtype).eps):  # rows may come stored in the export dtype
         raise RuntimeError(f"query rows are not a per-head map of the folded query (relative residual {err:.2e})")
