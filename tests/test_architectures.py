@@ -436,3 +436,19 @@ def test_gemma3_default_mode_and_its_simulation(tmp_path, tiny_tokenizer):
             want = attn(x, (cos, sin), mask[None, None])[0]
             got = mla_attention(x, dict(attn.state_dict()), s, cos, sin, **LayerStream._sim(o_attn, s))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_fast_evaluation_attention_keeps_sliding_windows(tmp_path, tiny_tokenizer):
+    """The perplexity path's fused attention (runtime.fast_attention) gives Gemma 3 the same log-probs as
+    its stock attention, windows included, for the original and the converted model."""
+    from transmla.runtime.fast_attention import use_causal_padded_sdpa
+
+    src = _tiny_gemma3(tmp_path, tiny_tokenizer)
+    out = tmp_path / "mla"
+    convert(str(src), out, ConvertOptions(lossless=True, **CAL), progress=False)
+    ids = torch.randint(1, len(tiny_tokenizer), (2, 80), generator=torch.Generator().manual_seed(1))
+    for path in (src, out):
+        stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        fast = use_causal_padded_sdpa(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+        with torch.no_grad():
+            torch.testing.assert_close(fast(ids).logits, stock(ids).logits, rtol=1e-4, atol=1e-4)
