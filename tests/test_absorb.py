@@ -156,8 +156,25 @@ def test_greedy_generate_identical(mla):
     assert torch.equal(latent, ref) and torch.equal(default, ref)
 
 
+@pytest.fixture(params=["sdpa", "bmm"])
+def decode_kernel(request, monkeypatch):
+    """Both single-token decode attention kernels (absorb.DECODE_KERNEL)."""
+    from transmla.runtime import absorb
+
+    monkeypatch.setattr(absorb, "DECODE_KERNEL", request.param)
+    return request.param
+
+
+def test_decode_kernels_match_stock(mla, decode_kernel):
+    ids = _ids(mla, batch=3, n=20)
+    ref = _logprobs(mla, ids)
+    with absorbed(mla):
+        got = _incremental(mla, ids, 6, LatentCache(mla.config))
+    assert (got - ref).abs().max() < TOL
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_left_padding(impl):
+def test_left_padding(impl, decode_kernel):
     """Unequal prompts, left-padded: the absorbed path reads the same padding mask (bool or additive)."""
     model = _random_dsv3(**RANDOM["q_lora_bias"])
     model.set_attn_implementation(impl)

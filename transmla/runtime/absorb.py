@@ -286,6 +286,11 @@ def _precompute(attn: nn.Module, fold: bool | None) -> None:
         attn.register_buffer("absorb_w_uv", w_uv.transpose(1, 2).to(dtype).contiguous(), persistent=False)
 
 
+# Single-token decode attention over the latent: "sdpa" (one fused call, heads folded into the query
+# axis) or "bmm" (two batched matmuls); both exact, the faster depends on the machine (reports/throughput).
+DECODE_KERNEL = "sdpa"
+
+
 def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, scaling: float, rank: int) -> torch.Tensor:
     """Softmax attention of all heads over one shared latent key; the value is the key's first `rank` dims.
 
@@ -312,6 +317,15 @@ def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, 
     # The value is the key itself (its first r dims are c): equal q/k/v widths keep SDPA on its fused
     # kernel on CPU (a narrower value falls back to the slow math kernel); the extra R columns of
     # output are dropped.
+    if S == 1 and DECODE_KERNEL == "bmm":
+        # Decode as two batched matmuls over the latent: scores [B, h, T] = q [B, h, E] x latent^T, then
+        # p x latent[:, :, :r]; no kernel dispatch on a one-head SDPA
+        scores = torch.bmm(query.view(B, h, E), latent.transpose(1, 2)).float() * scaling
+        if attention_mask is not None:
+            m = attention_mask.view(B, 1, T) if attention_mask.shape[0] == B else attention_mask.view(1, 1, T)
+            scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+        p = torch.softmax(scores, dim=-1).to(latent.dtype)
+        return torch.bmm(p, latent[..., :rank]).view(B, h, 1, rank)
     if S == 1:
         # Decode: fold the heads into the query-length axis of a single KV head (MQA). One [h, E] x
         # [E, T] product per sequence reads the cache once; a [B, 1, 1, T] mask broadcasts over heads.
@@ -393,7 +407,8 @@ def absorbed_forward(
         q_lin = self.q_proj if self.q_lora_rank is None else self.q_b_proj
         q = q_lin(x_q).view(B, S, h, dn + R).transpose(1, 2)  # [B, h, S, dn + R]
         q_nope, q_rot = q.split([dn, R], dim=-1)
-        q_lat = torch.matmul(q_nope, self.absorb_w_uk)  # [B, h, S, dn] x [h, dn, r] -> [B, h, S, r]
+        # per-head product as an einsum: matmul would broadcast W_UK into a copy per sequence and step
+        q_lat = torch.einsum("bhsd,hdr->bhsr", q_nope, self.absorb_w_uk)  # [B, h, S, r]
 
     # The latent exactly as the stock module builds it: c after kv_a_layernorm, k_pe after RoPE.
     compressed = self.kv_a_proj_with_mqa(hidden_states)  # [B, S, r + R]
@@ -424,7 +439,7 @@ def absorbed_forward(
     if "absorb_o_weight" in self._buffers:
         out = F.linear(out.transpose(1, 2).reshape(B, S, h * r), self.absorb_o_weight, self.o_proj.bias)
     else:
-        out = torch.matmul(out, self.absorb_w_uv)  # [B, h, S, r] x [h, r, dv] -> [B, h, S, dv]
+        out = torch.einsum("bhsr,hrv->bhsv", out, self.absorb_w_uv)  # [B, h, S, dv], no W_UV copy per sequence
         out = self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
     return out, None
 
