@@ -131,6 +131,7 @@ class ThroughputParams(Strict):
     contexts: tuple[int, ...] = (512, 1024, 2048, 4096)  # steady decode at each total context length
     batch: int = Field(8, ge=1)
     steps: int = Field(8, ge=1)  # timed decode steps per context (after 2 warm-up steps)
+    repeats: int = Field(3, ge=1)  # steady-decode measurements per cell: the report gives their median and range
     full_contexts: tuple[int, ...] = (512,)  # also the whole paper run (input = output = context / 2)
     threads: int | None = Field(None, ge=1)  # torch threads (None: all cores)
     cache_memory_gib: float = Field(1.0, gt=0)  # the KV-capacity columns: tokens that fit in this much

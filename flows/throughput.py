@@ -1,6 +1,7 @@
 """Flow: decode throughput of the original vs one converted model, in one run (paper appendix F).
 
-    original + converted checkpoint -> throughput (hf original | hf converted | absorb converted)
+    original + converted checkpoint -> throughput (original: stock default and StaticCache | converted: hf, absorb),
+                                       medians of repeats, memory-bandwidth roofline
                                     -> vLLM serving check (when its environment exists)
                                     -> reports/throughput/<model>/<variant>/ (table, Fig. 6, JSON) + MLflow
 
@@ -43,7 +44,7 @@ def throughput_flow(profile: Profile, model: str, method: str, budget: float, ch
     ckpt = Path(checkpoint or layout.checkpoint_dir(model, method, budget))
     original, converted = resolve_model(profile.model(model).source), checkpoint_ref(ckpt, "convert")
     result = load_json(throughput(original, converted, list(tp.contexts), tp.batch, tp.steps,
-                                  list(tp.full_contexts), tp.threads, tp.cache_memory_gib, profile.device))
+                                  list(tp.full_contexts), tp.threads, tp.cache_memory_gib, profile.device, tp.repeats))
     result["vllm"] = serving_check(profile, ckpt)
     if tp.vllm_contexts and result["vllm"]["status"] in ("passed", "failed"):  # the vLLM env exists
         result["vllm_throughput"] = load_json(vllm_throughput(original, converted,

@@ -54,6 +54,18 @@ else
   NEED_SERVER=1
 fi
 [ -z "$SIGNAL" ] || exit
+# The throughput stage's vLLM serving check needs vLLM in its own venv (.venv-vllm, transmla.runtime.vllm_env):
+# made once here when there is work to do (idempotent: a stamp marks a verified env; seconds when present).
+# TRANSMLA_SKIP_VLLM=1 skips it; a failure is reported and the check then says why it was skipped.
+if [ "$NEED_SERVER" = 1 ] && [ -z "${TRANSMLA_SKIP_VLLM:-}" ]; then
+  t_vllm=$(date +%s)
+  if "$BIN/python" -m transmla.runtime.vllm_env >&2; then
+    echo "repro: vLLM environment ready ($(( $(date +%s) - t_vllm )) s)" >&2
+  else
+    echo "repro: the vLLM environment could not be created; the serving check will report it" >&2
+  fi
+fi
+[ -z "$SIGNAL" ] || exit
 if [ -z "${PREFECT_API_URL:-}" ] && [ "$NEED_SERVER" = 1 ]; then
   PORT=$("$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   set -m  # job control just for this start: the server gets its own process group (no terminal Ctrl-C)

@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from transmla.adapters import GQASpec, read_spec
 from transmla.errors import TransMLAError
 from transmla.io.data import local_path, spec
-from transmla.io.sources import content_hash, parse_source, source_info
+from transmla.io.sources import check_source, content_hash, parse_source, source_info
 
 from .artifacts import STORE, model_ref, sha256_file
 
@@ -25,6 +25,7 @@ from .artifacts import STORE, model_ref, sha256_file
 def resolve_model(source: str) -> dict:
     """{"path", "sha256", "tokenizer_sha256", "source"} of a model source (GGUF sources materialise once)."""
     src = parse_source(source)
+    check_source(src)  # an architecture the converter cannot handle: refused before any weight is fetched
     if src.kind == "hf":  # hub id: keep one local copy so the content can be hashed
         from transmla.io.sources import fetch_model
 

@@ -156,8 +156,25 @@ def test_greedy_generate_identical(mla):
     assert torch.equal(latent, ref) and torch.equal(default, ref)
 
 
+@pytest.fixture(params=["sdpa", "bmm"])
+def decode_kernel(request, monkeypatch):
+    """Both single-token decode attention kernels (absorb.DECODE_KERNEL)."""
+    from transmla.runtime import absorb
+
+    monkeypatch.setattr(absorb, "DECODE_KERNEL", request.param)
+    return request.param
+
+
+def test_decode_kernels_match_stock(mla, decode_kernel):
+    ids = _ids(mla, batch=3, n=20)
+    ref = _logprobs(mla, ids)
+    with absorbed(mla):
+        got = _incremental(mla, ids, 6, LatentCache(mla.config))
+    assert (got - ref).abs().max() < TOL
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_left_padding(impl):
+def test_left_padding(impl, decode_kernel):
     """Unequal prompts, left-padded: the absorbed path reads the same padding mask (bool or additive)."""
     model = _random_dsv3(**RANDOM["q_lora_bias"])
     model.set_attn_implementation(impl)
@@ -219,3 +236,74 @@ def test_throughput_measure(tiny_pair, arch):
     step = decode_step(converted, "absorb", context=12, batch=3, steps=3, threads=1)
     assert step["time_per_output_token_ms"] > 0 and step["cache_length_end"] == 12 + 2 + 3
     assert step["kv_bytes_per_token"] == step["kv_bytes_per_token_measured"] == L * (r + R) * 4
+
+
+def test_static_baseline_decodes_like_the_dynamic_cache(tiny_pair):
+    """The original's best stock decode (a preallocated StaticCache of the batch, throughput.static_copy)
+    gives the same logits per step as the DynamicCache path."""
+    from transmla.runtime.throughput import static_copy
+
+    orig, _ = load_model(str(tiny_pair("llama")[0]))
+    ids = _ids(orig, batch=1, n=20)
+    B, steps = 3, 4
+    with torch.no_grad():
+        dyn = DynamicCache(config=orig.config)
+        out = orig(ids, past_key_values=dyn, use_cache=True)
+        ref = DynamicCache(config=orig.config)
+        orig(ids, past_key_values=ref, use_cache=True)
+        ref.batch_repeat_interleave(B)
+        static = static_copy(dyn, orig.config, B, 20 + steps)
+        a = b = out.logits[:, -1:].argmax(-1).repeat(B, 1)
+        for _ in range(steps):
+            la = orig(a, past_key_values=ref, use_cache=True).logits
+            lb = orig(b, past_key_values=static, use_cache=True).logits
+            torch.testing.assert_close(lb, la, rtol=TOL, atol=TOL)
+            a = b = la[:, -1:].argmax(-1)
+    step = decode_step(orig, "static", context=12, batch=3, steps=3, threads=1, bandwidth=1e9)
+    assert step["cache_length_end"] == 12 + 2 + 3 and step["x_of_bound"] > 0
+
+
+def test_timing_synchronises_around_every_clock_read(tiny_pair, monkeypatch):
+    """On a GPU an unsynchronised clock times kernel launches: every clock read in decode_step follows a
+    synchronize of the model's device; synchronize waits on CUDA devices only."""
+    from transmla.runtime import throughput
+
+    calls = []
+    monkeypatch.setattr(throughput, "synchronize", lambda device: calls.append(str(device)))
+    _, converted = tiny_pair("llama")
+    throughput.decode_step(converted, "absorb", context=8, batch=2, steps=3, warmup_steps=1, threads=1)
+    assert calls == ["cpu"] * (2 + 2 * (1 + 3))  # prefill start/end + every step start/end
+    monkeypatch.undo()
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    throughput.synchronize("cpu")
+    throughput.synchronize("cuda:0")
+    assert synced == [torch.device("cuda:0")]
+
+
+def test_roofline_bytes(tiny_pair):
+    """A step reads each weight once (the untied input embedding table aside), kv_b_proj replaced by the
+    absorbed matrices, plus the batch's KV cache; the measured bandwidth is a positive rate."""
+    from transmla.runtime.throughput import memory_bandwidth, step_bytes, weight_bytes_per_step
+
+    orig, _ = load_model(str(tiny_pair("qwen2")[0]))  # untied embeddings
+    params = sum(p.numel() * 4 for p in orig.parameters())
+    emb = orig.get_input_embeddings().weight.numel() * 4
+    assert weight_bytes_per_step(orig) == params - emb
+    kv = kv_bytes_per_token(orig.config, "hf")
+    assert step_bytes(orig, "hf", 100, 3) == {"weight_bytes": params - emb, "kv_bytes": 300 * kv,
+                                              "step_bytes": params - emb + 300 * kv}
+    mla = tiny_pair("qwen2")[1]
+    stock = weight_bytes_per_step(mla)
+    assert stock == sum(p.numel() * 4 for p in mla.parameters()) - mla.get_input_embeddings().weight.numel() * 4
+    cfg = mla.config
+    h, r, R, dn, dv, D = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
+                          cfg.v_head_dim, cfg.hidden_size)
+    Dq = D if cfg.q_lora_rank is None else cfg.q_lora_rank
+    with absorbed(mla, fold=True):  # folded: [W_UK^T W_Q ; W_QR] and W_O W_UV replace q, kv_b and o_proj's weight
+        per_layer = 4 * (h * (r + R) * Dq + D * h * r - h * (dn + R) * Dq - h * (dn + dv) * r - D * h * dv)
+        assert weight_bytes_per_step(mla) == stock + cfg.num_hidden_layers * per_layer
+    with absorbed(mla, fold=False):  # unfolded: W_UK, W_UV copies replace kv_b: the same bytes
+        assert weight_bytes_per_step(mla) == stock
+    bw = memory_bandwidth(nbytes=1 << 24, repeats=3)
+    assert bw["bytes_per_s"] > 0 and bw["best_bytes_per_s"] >= bw["bytes_per_s"]

@@ -357,12 +357,18 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
     monkeypatch.setattr(tasks.throughput, "decode_step", lambda *a, **k: calls.append(a[1:3]) or real(*a, **k))
     prof = load_profile(write_profile(tmp_path, tiny_dir, name="tput"),
                         {"throughput": {"budgets": [0.25], "contexts": [16, 32], "batch": 2, "steps": 2,
-                                        "full_contexts": [8]}})
+                                        "full_contexts": [8], "repeats": 2}})
     convert(prof, "tput", "transmla", 0.25)
     result = throughput_flow(prof, "tput", "transmla", 0.25)
-    assert sorted(calls) == sorted((b, c) for c in (16, 32) for b in ("hf", "hf", "absorb"))
+    # every cell measured `repeats` times; the original also in its best stock form (StaticCache)
+    assert sorted(calls) == sorted((b, c) for c in (16, 32) for b in ("hf", "static", "hf", "absorb") * 2)
     assert {(r["run"], r["context"]) for r in result["decode"]} == {
-        (run, c) for run in ("original", "converted hf", "converted absorb") for c in (16, 32)}
+        (run, c) for run in ("original", "original static", "converted hf", "converted absorb") for c in (16, 32)}
+    for r in result["decode"]:
+        lo, hi = r["time_per_output_token_range_ms"]
+        assert r["repeats"] == 2 and lo <= r["time_per_output_token_ms"] <= hi
+        assert r["x_of_bound"] == pytest.approx(r["time_per_output_token_ms"] / r["bound_ms"])
+        assert r["bandwidth_bytes_per_s"] == result["bandwidth"]["bytes_per_s"] > 0
     assert [r["run"] for r in result["full"]] == ["original", "converted hf", "converted absorb"]
     # 2 layers: original 2 x 2 KV heads x 16 dims, converted 12 + 4 latent values, float32
     assert result["kv"]["original"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 4
@@ -373,6 +379,7 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
     out = tmp_path / "reports/throughput/tput/transmla-0.25"
     md = (out / "throughput.md").read_text()
     assert "| 32 |" in md and "speedup converted absorb" in md and "vLLM serving check: **skipped**" in md
+    assert "x bound)" in md and "GB/s" in md and "original static" in md
     assert (out / "fig6_speedup.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((out / "results.json").read_text())["kv"] == result["kv"]
     runs = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.model` = 'tput'",

@@ -1,4 +1,4 @@
-"""Model adapters: read a GQA model (Llama, Qwen2, Mistral, SmolLM) into one uniform description.
+"""Model adapters: read a GQA model (Llama, Qwen2, Mistral, Mixtral, SmolLM) into one uniform description.
 
 Everything downstream works on `GQASpec` + per-layer `AttentionWeights`, so supporting another
 architecture means adding it here, nowhere else.
@@ -6,14 +6,93 @@ architecture means adding it here, nowhere else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from transmla.errors import TransMLAError
 
 # model_type -> whether q/k/v carry biases (read from the weights anyway; this is documentation).
-SUPPORTED = {"llama": False, "mistral": False, "qwen2": True}
+SUPPORTED = {"llama": False, "mistral": False, "qwen2": True, "mixtral": False, "qwen3": False, "gemma3_text": False}
+
+# What in each known but unsupported family stock DeepSeek MLA cannot express (or this converter does
+# not carry yet): the refusal names the obstacle, not just the family.
+OBSTACLES = {
+    "gemma": "(1 + w) RMSNorm weights and embedding scaling by sqrt(hidden) (not carried yet)",
+    "gemma2": "post-attention and post-feedforward norms, query_pre_attn_scalar, attention logit soft-capping "
+              "and alternating sliding-window layers (not carried yet: Gemma 3's class covers all but soft-capping)",
+    "qwen2_moe": "mixture-of-experts MLP with a sigmoid-gated shared expert: no DeepSeek router computes that gate, "
+                 "so it needs a model class of this package keeping Qwen2MoeSparseMoeBlock (as MixtralMLAForCausalLM "
+                 "keeps Mixtral's); not built yet",
+    "qwen3_moe": "per-head QK-norm and a mixture-of-experts MLP together (not carried yet)",
+    "phi3": "fused qkv projection and partial rotary embeddings (not carried yet)",
+}
+OBSTACLES["gemma3"] = ("the multimodal Gemma 3 wrapper (vision tower + text model): only its text model "
+                       "(model_type gemma3_text, e.g. Gemma-3-270M/1B) is converted")
+
+# RoPE types whose scaling is a function of each frequency alone and needs no head-dim-dependent
+# constant, so a RoPE head that keeps a subset of the frequencies can carry it exactly.
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _get(cfg, key, default=None):
+    return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
+
+
+def rope_parameters(cfg) -> dict:
+    """The config's RoPE parameters (transformers 5 `rope_parameters`, or the older rope_theta +
+    rope_scaling), as one dict with at least rope_type and rope_theta."""
+    rp = dict(_get(cfg, "rope_parameters", None) or _get(cfg, "rope_scaling", None) or {})
+    rp.setdefault("rope_theta", _get(cfg, "rope_theta", None))
+    rp["rope_type"] = rp.get("rope_type") or rp.get("type") or "default"
+    return rp
+
+
+def check_config(cfg) -> None:
+    """Refuse, with the obstacle named, any config the converter cannot handle. Reads only config
+    fields (a transformers config or a plain dict, e.g. from a GGUF header): no weights needed."""
+    mt = _get(cfg, "model_type")
+    families = ", ".join(sorted(SUPPORTED))
+    if mt not in SUPPORTED:
+        why = OBSTACLES.get(mt)
+        raise TransMLAError(
+            f"Unsupported architecture {mt!r}" + (f": {why}." if why else ".")
+            + f" The converter handles {families}.",
+            "convert a model of one of those families (SmolLM2 is llama; Gemma-3-270M/1B are gemma3_text).",
+        )
+    if mt == "gemma3_text":  # transmla.models.Gemma3MLAForCausalLM keeps Gemma's RoPE and sliding layers as they are
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if _get(cfg, key, None) is not None:
+                raise TransMLAError(f"Gemma 3 with {key} is not carried yet.", "convert a checkpoint without soft-capping.")
+        return
+    sliding = _get(cfg, "sliding_window", None)
+    if sliding and _get(cfg, "use_sliding_window", mt in ("mistral", "mixtral")):
+        raise TransMLAError(
+            "Sliding-window attention cannot be expressed in DeepSeek-V3 checkpoints.",
+            "use a checkpoint with sliding_window: null.",
+        )
+    rp = rope_parameters(cfg)
+    if rp["rope_type"] not in ROPE_TYPES:
+        reason = {
+            "dynamic": "its NTK base grows with a head-dim-dependent exponent, so a RoPE head of another size "
+                       "would rotate at other frequencies past the original context",
+            "yarn": "its ramp bounds are rounded in units of the head dim and its attention factor scales every "
+                    "score, RoPE and NoPE dimensions alike",
+            "longrope": "its per-frequency factors switch with the sequence length",
+        }.get(rp["rope_type"], "unknown scaling")
+        raise TransMLAError(
+            f"RoPE scaling type {rp['rope_type']!r} cannot be carried exactly by the converter: {reason}.",
+            f"use a model whose rope_type is one of {', '.join(ROPE_TYPES)}.",
+        )
+    if rp["rope_theta"] is None:
+        raise TransMLAError("The model config has no rope_theta.", "use a Llama/Qwen2/Mistral checkpoint.")
+    h = _get(cfg, "num_attention_heads")
+    g = _get(cfg, "num_key_value_heads", None) or h
+    if h and g and h % g:
+        raise TransMLAError(f"{h} query heads are not a multiple of {g} KV heads.", "check the model config.")
+    if mt == "qwen3" and _get(cfg, "attention_bias", False):
+        raise TransMLAError("Qwen3 with attention biases is not carried yet (the QK-norm path has no q/k bias).",
+                            "convert a Qwen3 checkpoint with attention_bias: false (every released one).")
 
 
 @dataclass(frozen=True)
@@ -36,6 +115,13 @@ class GQASpec:
     bos_token_id: int | None
     eos_token_id: int | list | None
     pad_token_id: int | None
+    # the original's RoPE parameters (rope_type, rope_theta, scaling constants); empty = plain RoPE
+    rope_parameters: dict = field(default_factory=dict, hash=False)
+    # Mixtral's MoE (num_local_experts, num_experts_per_tok, router_jitter_noise), carried verbatim; empty = dense
+    moe: dict = field(default_factory=dict, hash=False)
+    qk_norm: bool = False  # Qwen3, Gemma 3: per-head RMSNorm of queries and keys before RoPE (transmla.models)
+    # Gemma 3: the original config, kept whole by the export (its layers stay Gemma's but for attention)
+    original_config: dict = field(default_factory=dict, hash=False)
 
 
 @dataclass
@@ -51,48 +137,37 @@ class AttentionWeights:
     bk: torch.Tensor | None = None
     bv: torch.Tensor | None = None
     bo: torch.Tensor | None = None
-
-
-def _rope_params(cfg) -> tuple[float, dict | None]:
-    rp = getattr(cfg, "rope_parameters", None) or {}
-    theta = rp.get("rope_theta", getattr(cfg, "rope_theta", None))
-    rtype = rp.get("rope_type", "default")
-    if rtype not in ("default", None):
-        raise TransMLAError(
-            f"RoPE scaling type {rtype!r} is not supported by the converter yet.",
-            "use a model with plain RoPE (no rope_scaling), e.g. Llama-2, Qwen2/2.5, Mistral, SmolLM2.",
-        )
-    if theta is None:
-        raise TransMLAError("The model config has no rope_theta.", "use a Llama/Qwen2/Mistral checkpoint.")
-    return float(theta), rp
+    # Qwen3's QK-norm: wq / wk above have the norm weights folded in (rows scaled by g_q / g_k); the raw
+    # projections and the weights [d] are kept for the export's normalisation (method.qknorm)
+    wq_raw: torch.Tensor | None = None
+    wk_raw: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 def read_spec(cfg) -> GQASpec:
     """Validate a transformers config and describe it; unsupported models get one clear error."""
-    mt = getattr(cfg, "model_type", None)
-    if mt not in SUPPORTED:
-        raise TransMLAError(
-            f"Unsupported architecture {mt!r}: the converter handles {', '.join(sorted(SUPPORTED))}.",
-            "convert a Llama-, Qwen2- or Mistral-family model (SmolLM2 is llama).",
-        )
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", mt == "mistral"):
-        raise TransMLAError(
-            "Sliding-window attention cannot be expressed in DeepSeek-V3 checkpoints.",
-            "use a checkpoint with sliding_window: null.",
-        )
-    theta, _ = _rope_params(cfg)
+    check_config(cfg)
+    mt = cfg.model_type
+    gemma = mt == "gemma3_text"
+    # Gemma 3: RoPE per layer type; the MLA class gathers the original's own cos/sin, so only a base is recorded
+    rp = dict(cfg.rope_parameters["full_attention"]) if gemma else rope_parameters(cfg)
     h = cfg.num_attention_heads
     g = getattr(cfg, "num_key_value_heads", None) or h
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
-    if h % g:
-        raise TransMLAError(f"{h} query heads are not a multiple of {g} KV heads.", "check the model config.")
     return GQASpec(
-        model_type=mt, D=cfg.hidden_size, h=h, g=g, d=d, n_layers=cfg.num_hidden_layers, rope_theta=theta,
+        model_type=mt, D=cfg.hidden_size, h=h, g=g, d=d, n_layers=cfg.num_hidden_layers, rope_theta=float(rp["rope_theta"]),
+        rope_parameters=rp,
         rms_norm_eps=float(cfg.rms_norm_eps), vocab_size=cfg.vocab_size, intermediate_size=cfg.intermediate_size,
-        hidden_act=cfg.hidden_act, max_position_embeddings=cfg.max_position_embeddings,
+        hidden_act=getattr(cfg, "hidden_act", None) or cfg.hidden_activation,  # Gemma names it hidden_activation
+        max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         bos_token_id=getattr(cfg, "bos_token_id", None), eos_token_id=getattr(cfg, "eos_token_id", None),
         pad_token_id=getattr(cfg, "pad_token_id", None),
+        moe={k: getattr(cfg, k) for k in ("num_local_experts", "num_experts_per_tok", "router_jitter_noise")}
+        if mt == "mixtral" else {},
+        qk_norm=mt in ("qwen3", "gemma3_text"),
+        original_config=cfg.to_dict() if gemma else {},
     )
 
 
@@ -106,10 +181,19 @@ def attention_weights(model, layer: int) -> AttentionWeights:
     def b(lin):
         return None if lin.bias is None else lin.bias.detach().to(torch.float64).clone()
 
-    return AttentionWeights(
+    out = AttentionWeights(
         wq=w(attn.q_proj), wk=w(attn.k_proj), wv=w(attn.v_proj), wo=w(attn.o_proj),
         bq=b(attn.q_proj), bk=b(attn.k_proj), bv=b(attn.v_proj), bo=b(attn.o_proj),
     )
+    if getattr(attn, "q_norm", None) is not None:  # Qwen3, Gemma 3: fold the norm weights into the raw projections
+        gq, gk = w(attn.q_norm), w(attn.k_norm)
+        if model.config.model_type == "gemma3_text":  # Gemma's RMSNorm multiplies by (1 + weight)
+            gq, gk = 1 + gq, 1 + gk
+        d = gq.shape[0]
+        out.wq_raw, out.wk_raw, out.q_norm, out.k_norm = out.wq, out.wk, gq, gk
+        out.wq = (out.wq.view(-1, d, out.wq.shape[1]) * gq[:, None]).reshape(out.wq.shape)
+        out.wk = (out.wk.view(-1, d, out.wk.shape[1]) * gk[:, None]).reshape(out.wk.shape)
+    return out
 
 
 def shared_state_dict(model) -> dict[str, torch.Tensor]:

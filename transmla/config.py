@@ -183,12 +183,13 @@ class ConvertOptions(Options):
 
     def normalized(self) -> "ConvertOptions":
         """Options a method ignores set to one canonical value, so they never split a cache or a record:
-        MHA2MLA has no FreqFold, balancing, PCA mode or metric; lossless TransMLA keeps every frequency and has no refit."""
+        MHA2MLA has no FreqFold, balancing, PCA mode or metric; lossless TransMLA keeps every frequency and rank
+        (the original model's statistics, no refit)."""
         if self.method == "mha2mla":
             return self.replace(freqfold=1, balance_kv=False, pca="weights", attention_aware=False,
                                 calibration="parallel", refit=False, rorope_metric="key")
-        if self.lossless:  # exact by construction: nothing for a least-squares refit or a metric to improve
-            return self.replace(freqfold=1, refit=False, rorope_metric="key")
+        if self.lossless:  # exact by construction: nothing for layer-by-layer statistics, a refit or a metric to improve
+            return self.replace(freqfold=1, calibration="parallel", refit=False, rorope_metric="key")
         return self
 
     @property

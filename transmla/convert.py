@@ -22,6 +22,7 @@ from transmla.adapters import GQASpec, attention_weights, read_spec
 from transmla.config import REFIT_DAMP, REFIT_MAX_DIM, ConvertOptions
 from transmla.method.calibration import CalibrationStats, collect_stats, mixed_calibration_ids
 from transmla.method.mla import MLALayer
+from transmla.method.qknorm import rebase_query
 from transmla.pipeline.assemble import assemble, conversion_metadata
 from transmla.pipeline.basis import basis_step
 from transmla.pipeline.budget import Budget, resolve_budget
@@ -34,7 +35,8 @@ __all__ = ["Budget", "ConvertOptions", "assemble", "convert", "convert_layers", 
 
 
 def mla_shapes(spec: GQASpec, budget: Budget, o: ConvertOptions) -> MLAShapes:
-    return MLAShapes(spec.h, spec.d, budget.rope_dim, budget.kv_lora_rank, o.norm_eps, budget.plan)
+    return MLAShapes(spec.h, spec.d, budget.rope_dim, budget.kv_lora_rank, o.norm_eps, budget.plan,
+                     spec.rms_norm_eps if spec.qk_norm else None)
 
 
 def second_pass_layer(w, m, spec: GQASpec, rot, budget: Budget, o: ConvertOptions) -> tuple[MLALayer, MLAShapes]:
@@ -68,6 +70,8 @@ def convert_layers(model, stats: CalibrationStats | None, spec: GQASpec, budget:
         rot = rotation_step(w, m_rot, spec, list(budget.plan), **n.rotation_options())
         basis = basis_step(w, m, spec, rot, budget.kv_lora_rank, **n.basis_options())
         layer, diag = layer_step(w, m, spec, rot, basis, o.q_lora_rank, o.norm_eps)
+        if spec.qk_norm:  # Qwen3: the exported query / key-norm form, so the stream runs what the user will
+            layer = rebase_query(layer, w, spec.h, spec.d)
         if n.refit:
             s = mla_shapes(spec, budget, o)
             blocks = stream.refit_moments(i, layer, s, value_bias(w, spec), REFIT_MAX_DIM)
@@ -101,10 +105,11 @@ def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_di
     from transmla.io.data import calibration_parts
     from transmla.io.export import write_checkpoint
     from transmla.io.paths import new_output_dir
-    from transmla.io.sources import load_model, source_info
+    from transmla.io.sources import check_source, load_model, source_info
 
     t0 = time.perf_counter()
     calibration_parts(o.cal_dataset)  # unknown data set or missing path: fail before any work
+    check_source(source, cache)  # unsupported architecture: refused from its config, before any weight is read
     out = new_output_dir(out)
     info = source_info(source, cache)
     model, tok = load_model(source, dtype="float32", device=o.device, cache=cache)  # the math runs in fp32/fp64

@@ -15,7 +15,38 @@ import torch
 
 from transmla.adapters import GQASpec
 from transmla.io.paths import atomic_dir, new_output_dir
-from transmla.method.rope import is_standard, longrope_parameters
+from transmla.method.rope import inv_freq, is_standard, longrope_parameters
+
+
+def original_inv_freq(spec: GQASpec) -> torch.Tensor:
+    """The original model's inverse frequencies, scaling included, as transformers computes them. [d/2]"""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rp = dict(spec.rope_parameters or {"rope_type": "default", "rope_theta": spec.rope_theta})
+    if rp.get("rope_type", "default") == "default":
+        return inv_freq(spec.rope_theta, spec.d)
+    cfg = LlamaConfig(hidden_size=spec.h * spec.d, num_attention_heads=spec.h, head_dim=spec.d,
+                      max_position_embeddings=spec.max_position_embeddings, rope_parameters=rp)
+    return ROPE_INIT_FUNCTIONS[rp["rope_type"]](cfg, "cpu")[0].to(torch.float64)
+
+
+def export_rope_parameters(spec: GQASpec, plan: list[int]) -> dict:
+    """rope_parameters of the exported RoPE head (dim 2*len(plan)), carrying exactly the planned
+    original frequencies.
+
+    A standard plan keeps every c-th frequency with the same base, and linear / llama3 scaling is a
+    function of each frequency alone (no head-dim constant), so the original parameters carry over
+    unchanged (servable by vLLM). Any other plan gets LongRoPE factors solved against the original's
+    scaled frequencies (transformers only).
+    """
+    rp = {k: v for k, v in (spec.rope_parameters or {}).items() if k != "type" and v is not None}
+    rp.setdefault("rope_type", "default")
+    rp["rope_theta"] = spec.rope_theta
+    if is_standard(plan, spec.d):
+        return rp
+    return longrope_parameters(plan, spec.rope_theta, spec.d, spec.max_position_embeddings,
+                               target=original_inv_freq(spec)[plan])
 
 
 def deepseek_config(
@@ -24,13 +55,26 @@ def deepseek_config(
     """config.json fields for an all-dense DeepSeek-V3 model with the given MLA shapes."""
     from transformers import DeepseekV3Config
 
+    from transmla.models import Gemma3MLAConfig, MixtralMLAConfig, Qwen3MLAConfig
+
     R = 2 * len(plan)
-    rope = (
-        {"rope_type": "default", "rope_theta": spec.rope_theta}
-        if is_standard(plan, spec.d)
-        else longrope_parameters(plan, spec.rope_theta, spec.d, spec.max_position_embeddings)
-    )
-    cfg = DeepseekV3Config(
+    if spec.model_type == "gemma3_text":  # Gemma's own layers, MLA attention (transmla.models.Gemma3MLAForCausalLM)
+        keep = {k: v for k, v in spec.original_config.items()
+                if k not in ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype")}
+        cfg = Gemma3MLAConfig(**keep, kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank, qk_rope_head_dim=R,
+                              qk_nope_head_dim=spec.d, v_head_dim=spec.d, rope_plan=list(plan), rope_interleave=True,
+                              qk_norm_groups=spec.g, qk_norm_eps=spec.rms_norm_eps)
+        cfg.architectures = ["Gemma3MLAForCausalLM"]
+        cfg.dtype = dtype
+        return cfg
+    rope = export_rope_parameters(spec, plan)
+    # Mixtral: the same MLA fields, every MLP Mixtral's own sparse MoE (transmla.models), experts verbatim
+    cls, extra = (MixtralMLAConfig, {"n_routed_experts": spec.moe["num_local_experts"],
+                                   "num_experts_per_tok": spec.moe["num_experts_per_tok"],
+                                   "router_jitter_noise": spec.moe["router_jitter_noise"]}) if spec.moe else (DeepseekV3Config, {})
+    if spec.qk_norm:  # Qwen3: the QK-norm's constants (transmla.models.Qwen3MLAAttention)
+        cls, extra = Qwen3MLAConfig, {"qk_norm_groups": spec.g, "qk_norm_eps": spec.rms_norm_eps}
+    cfg = cls(
         vocab_size=spec.vocab_size,
         hidden_size=spec.D,
         intermediate_size=spec.intermediate_size,
@@ -40,9 +84,8 @@ def deepseek_config(
         num_key_value_heads=spec.h,
         # Every layer dense; the MoE fields stay valid integers (transformers 5 rejects null).
         first_k_dense_replace=spec.n_layers,
-        n_routed_experts=1,
+        **({"n_routed_experts": 1, "num_experts_per_tok": 1} | extra),
         n_shared_experts=1,
-        num_experts_per_tok=1,
         n_group=1,
         topk_group=1,
         routed_scaling_factor=1.0,
@@ -62,17 +105,19 @@ def deepseek_config(
         eos_token_id=spec.eos_token_id,
         pad_token_id=spec.pad_token_id,
     )
-    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    cfg.architectures = ["Qwen3MLAForCausalLM" if spec.qk_norm else "MixtralMLAForCausalLM" if spec.moe
+                         else "DeepseekV3ForCausalLM"]
     cfg.dtype = dtype
     return cfg
 
 
 def check_state_dict(config, state_dict: dict[str, torch.Tensor]) -> None:
-    """The tensors must be exactly those of DeepseekV3ForCausalLM(config), with the same shapes."""
-    from transformers import DeepseekV3ForCausalLM
+    """The tensors must be exactly those of the config's class (DeepseekV3ForCausalLM, or a class of
+    transmla.models), with the same shapes."""
+    from transmla.models import causal_lm_class
 
     with torch.device("meta"):
-        ref = DeepseekV3ForCausalLM(config).state_dict()
+        ref = causal_lm_class(config)(config).state_dict()
     missing = sorted(set(ref) - set(state_dict))
     extra = sorted(set(state_dict) - set(ref))
     bad = [k for k in ref if k in state_dict and tuple(ref[k].shape) != tuple(state_dict[k].shape)]
@@ -81,15 +126,16 @@ def check_state_dict(config, state_dict: dict[str, torch.Tensor]) -> None:
 
 
 def instantiate(config, state_dict: dict[str, torch.Tensor]):
-    """The converted model in memory (no disk round trip), as stock DeepseekV3ForCausalLM."""
-    from transformers import DeepseekV3ForCausalLM
+    """The converted model in memory (no disk round trip), as stock DeepseekV3ForCausalLM (or the
+    config's class of transmla.models)."""
+    from transmla.models import causal_lm_class
 
     check_state_dict(config, state_dict)
     emb, head = state_dict["model.embed_tokens.weight"], state_dict["lm_head.weight"]
     if not config.tie_word_embeddings and head.untyped_storage().data_ptr() == emb.untyped_storage().data_ptr():
         state_dict = {**state_dict, "lm_head.weight": head.clone()}  # an untied model owns its lm_head
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config)
+        model = causal_lm_class(config)(config)
     model.load_state_dict(state_dict, assign=True, strict=True)
     model.model.rotary_emb.__init__(config)  # non-persistent RoPE buffers were created on meta
     return model.eval()

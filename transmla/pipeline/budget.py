@@ -32,6 +32,17 @@ class Budget:
         return self.mla_kv / self.original_kv
 
 
+def check_mode(spec: GQASpec, o: ConvertOptions) -> None:
+    """Refuse mode x architecture pairs the converter cannot run yet."""
+    n = o.normalized()
+    if n.calibration == "two_pass" and spec.qk_norm:
+        raise TransMLAError("The two-pass mode's RoPE-dropped layers are not built for QK-norm models.",
+                            "use --calibration sequential (the default) or parallel.")
+    if spec.qk_norm and o.q_lora_rank is not None:
+        raise TransMLAError("--q-lora-rank cannot be combined with Qwen3's QK-norm (its q-LoRA path holds the query norm).",
+                            "drop --q-lora-rank.")
+
+
 def resolve_budget(spec: GQASpec, o: ConvertOptions) -> Budget:
     """Pick RoPE dim and rank from the options; one clear error for anything impossible.
 
@@ -44,6 +55,7 @@ def resolve_budget(spec: GQASpec, o: ConvertOptions) -> Budget:
     g, d = spec.g, spec.d
     L = g * d
     validate_freqfold(o.freqfold, d)
+    check_mode(spec, o)
     if o.lossless:
         return Budget(tuple(lossless_plan(d, g)), L, 2 * L)
     R = o.qk_rope_dim

@@ -45,6 +45,7 @@ class MLAShapes:
     r: int
     eps: float
     plan: tuple[int, ...]
+    qk_norm_eps: float | None = None  # Qwen3's QK-norm (method.qknorm): per-head query norm + key scales
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,21 +60,30 @@ def _rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 
 def mla_attention(x: torch.Tensor, layer: dict[str, torch.Tensor], s: MLAShapes, cos: torch.Tensor,
-                  sin: torch.Tensor) -> torch.Tensor:
+                  sin: torch.Tensor, scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """Causal DeepseekV3Attention over x [B, T, D] in absorbed form (the same scores and outputs as the
     stock module; transmla.runtime.absorb). layer: MLALayer.to_tensors() in x's dtype; cos/sin
-    [B, T, d] of the original model's RoPE (rotate_half layout). Returns the output [B, T, D]."""
-    return _output(attention_latents(x, layer, s, cos, sin), layer, s)
+    [B, T, d] of the original model's RoPE (rotate_half layout). scale: the softmax scale (default
+    (d + R)^-1/2, DeepSeek's); window: a sliding layer's window (keys t - u < window). Returns [B, T, D]."""
+    return _output(attention_latents(x, layer, s, cos, sin, scale, window), layer, s)
 
 
 def attention_latents(x: torch.Tensor, layer: dict[str, torch.Tensor], s: MLAShapes, cos: torch.Tensor,
-                      sin: torch.Tensor) -> torch.Tensor:
+                      sin: torch.Tensor, scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """z [B, h, T, r]: each head's attention-weighted latent sum_t p_t c_t (mla_attention before W_UV and
     o_proj; all the refit needs)."""
     B, T, _ = x.shape
     h, d, R, r = s.h, s.d, s.R, s.r
+    key_scale = None
     if "q_proj.weight" in layer:
         q = x @ layer["q_proj.weight"].T
+    elif "k_norm_proj.weight" in layer:  # QK-norm: per-head query norm, one key scale per token and KV head
+        dq = layer["q_a_layernorm.weight"].shape[0]
+        qa = (x @ layer["q_a_proj.weight"].T).unflatten(-1, (-1, dq))
+        q = _rms(qa, layer["q_a_layernorm.weight"], s.qk_norm_eps).flatten(-2) @ layer["q_b_proj.weight"].T
+        k = (x @ layer["k_norm_proj.weight"].T).unflatten(-1, (-1, dq))  # [B, T, g, d]
+        rho = torch.rsqrt(k.pow(2).mean(-1) + s.qk_norm_eps)  # [B, T, g]
+        key_scale = rho.repeat_interleave(h // rho.shape[-1], -1).transpose(1, 2)  # [B, h, T]
     else:
         qa = x @ layer["q_a_proj.weight"].T
         if "q_a_proj.bias" in layer:
@@ -92,26 +102,34 @@ def attention_latents(x: torch.Tensor, layer: dict[str, torch.Tensor], s: MLASha
     w_uk = layer["kv_b_proj.weight"].view(h, 2 * d, r)[:, :d]
     q_abs = torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk)
     return shared_key_attention(torch.cat([q_abs, q_rot], -1), torch.cat([c, k_rot], -1)[:, 0], c[:, 0],
-                                1 / math.sqrt(d + R))
+                                1 / math.sqrt(d + R) if scale is None else scale, key_scale=key_scale, window=window)
 
 
 def shared_key_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                         max_scores: int = 1 << 25) -> torch.Tensor:
+                         max_scores: int = 1 << 25, key_scale: torch.Tensor | None = None,
+                         window: int | None = None) -> torch.Tensor:
     """Causal softmax(scale q key^T) value with one key/value shared by every head (MLA's latent head).
 
-    q [B, h, T, e], key [B, T, e], value [B, T, r] -> [B, h, T, r]. The heads are folded into the query
+    q [B, h, T, e], key [B, T, e], value [B, T, r] -> [B, h, T, r]; key_scale [B, h, T] (optional)
+    multiplies the scores of head j on key t (Qwen3's key norm); window (optional) limits each query to
+    its last `window` keys (a sliding layer). The heads are folded into the query
     rows of one batched matmul: SDPA would need the key expanded to every head, a copy per head (a third
     of the conversion's attention time on SmolLM2). Heads go in chunks whose scores hold at most
     `max_scores` floats (long calibration windows stay in bounded memory).
     """
     B, h, T, e = q.shape
     mask = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+    if window is not None:  # a sliding layer: key u visible from query t while t - u < window
+        mask = mask + torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).tril(-window)
     k = max(1, min(h, max_scores // (B * T * T)))
     out = torch.empty(B, h, T, value.shape[-1], dtype=q.dtype, device=q.device)
     kt = key.transpose(1, 2)
     for a in range(0, h, k):
         n = min(k, h - a)
-        s = torch.bmm(q[:, a : a + n].reshape(B, n * T, e), kt).mul_(scale).view(B, n, T, T).add_(mask)
+        s = torch.bmm(q[:, a : a + n].reshape(B, n * T, e), kt).mul_(scale).view(B, n, T, T)
+        if key_scale is not None:
+            s.mul_(key_scale[:, a : a + n, None, :])
+        s.add_(mask)
         p = torch.softmax(s, -1).view(B, n * T, T)
         out[:, a : a + n] = torch.bmm(p, value).view(B, n, T, -1)
     return out
@@ -127,7 +145,7 @@ def _output(z: torch.Tensor, layer: dict[str, torch.Tensor], s: MLAShapes) -> to
 
 def _scores(layer: dict[str, torch.Tensor], s: MLAShapes) -> list[torch.Tensor]:
     """The weights z depends on: queries, kv_a (+ norm) and W_UK."""
-    keep = [v for k, v in sorted(layer.items()) if k.startswith(("q_", "kv_a"))]
+    keep = [v for k, v in sorted(layer.items()) if k.startswith(("q_", "kv_a", "k_norm"))]
     return keep + [layer["kv_b_proj.weight"].view(s.h, 2 * s.d, s.r)[:, : s.d]]
 
 
@@ -147,24 +165,32 @@ class LayerStream:
 
     def __init__(self, model, ids: torch.Tensor, batch_size: int = 8, progress: bool = True):
         cfg = model.config
-        types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-        if types != {"full_attention"}:
-            raise TransMLAError(f"layer-by-layer calibration supports full-attention decoders only (layer types {types}).",
-                                "use `calibration: parallel` for this model.")
         self.model, self.layers = model, model.model.layers
+        # each layer type (full / sliding attention: Gemma 3) has its own mask and RoPE, passed by the model
+        self.types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers))
+        if set(self.types) - {"full_attention", "sliding_attention"}:
+            raise TransMLAError(f"layer-by-layer calibration does not know the layer types {set(self.types)}.",
+                                "use `calibration: parallel` and no refit for this model.")
+        firsts = {t: self.types.index(t) for t in dict.fromkeys(self.types)}  # first layer of each type
         self.device = next(model.parameters()).device
         self.n, self.layer, self.progress = ids.numel(), 0, progress
         self.h: list[torch.Tensor] = []
-        self.kwargs: list[dict] = []
+        self.kwargs: list[dict[str, dict]] = []  # per batch: layer type -> the decoder layer's keyword arguments
         self._z = None  # (layer, the weights z depends on, z per batch) from refit_moments
 
-        def grab(_module, args, kwargs):
-            hs = args[0] if args else kwargs.pop("hidden_states")
-            self.h.append(hs.detach().float())
-            self.kwargs.append({k: v for k, v in kwargs.items() if k != "hidden_states"})
-            raise _Stop
+        def grab(layer_type, last):
+            def hook(_module, args, kwargs):
+                hs = args[0] if args else kwargs.get("hidden_states")
+                if not self.kwargs or len(self.kwargs[-1]) == len(firsts):
+                    self.h.append(hs.detach().float())
+                    self.kwargs.append({})
+                self.kwargs[-1][layer_type] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+                if last:
+                    raise _Stop
+            return hook
 
-        hook = self.layers[0].register_forward_pre_hook(grab, with_kwargs=True)
+        stop = max(firsts.values())
+        hooks = [self.layers[i].register_forward_pre_hook(grab(t, i == stop), with_kwargs=True) for t, i in firsts.items()]
         try:
             with torch.no_grad():
                 for s in range(0, ids.shape[0], batch_size):
@@ -173,7 +199,19 @@ class LayerStream:
                     except _Stop:
                         pass
         finally:
-            hook.remove()
+            for hook in hooks:
+                hook.remove()
+
+    def _kw(self, b: int, layer: int) -> dict:
+        """Decoder layer `layer`'s keyword arguments for batch b (its type's mask and RoPE)."""
+        return self.kwargs[b][self.types[layer]]
+
+    @staticmethod
+    def _sim(attn, s: MLAShapes) -> dict:
+        """The MLA simulation's softmax scale and window for a layer whose original attention is `attn`."""
+        scaling = getattr(attn, "scaling", None)
+        scale = None if scaling is None or scaling == s.d**-0.5 else scaling * math.sqrt(s.d / (s.d + s.R))
+        return {"scale": scale, "window": getattr(attn, "sliding_window", None)}
 
     def _bar(self, what: str):
         return tqdm(range(len(self.h)), desc=f"{what} layer {self.layer}", file=sys.stderr, leave=False,
@@ -220,11 +258,12 @@ class LayerStream:
             captured.append(a[0])
             raise _Stop
 
+        sim = self._sim(dec.self_attn, s)
         hook = dec.self_attn.o_proj.register_forward_pre_hook(grab)
         try:
             for b in self._bar("refit"):
                 x = dec.input_layernorm(self.h[b])
-                kw = self.kwargs[b]
+                kw = self._kw(b, layer)
                 captured.clear()
                 try:
                     dec.self_attn(hidden_states=x, **kw)
@@ -235,7 +274,7 @@ class LayerStream:
                 if value_bias is not None:
                     y = y - value_bias.view(1, s.h, s.d).to(y)
                 cos, sin = kw["position_embeddings"]
-                z = attention_latents(x, w, s, cos, sin)  # [B, h, T, r]
+                z = attention_latents(x, w, s, cos, sin, **sim)  # [B, h, T, r]
                 Z = z.permute(0, 2, 1, 3).reshape(B * T, s.h * s.r)
                 for j, heads in enumerate(blocks):
                     Zj = Z[:, heads.start * s.r : heads.stop * s.r]
@@ -268,11 +307,12 @@ class LayerStream:
                 # the refit changed W_UV and o_proj only: the attention-weighted latents of refit_moments still hold
                 dec.self_attn = _Attention(lambda x, pe: _output(z[2][b], w, s))  # b: the batch below
             else:
-                dec.self_attn = _Attention(lambda x, pe: mla_attention(x, w, s, *pe))
+                sim = self._sim(original, s)
+                dec.self_attn = _Attention(lambda x, pe: mla_attention(x, w, s, *pe, **sim))
         self._z = None
         try:
             for b in self._bar("advance"):
-                out = dec(self.h[b], **self.kwargs[b])
+                out = dec(self.h[b], **self._kw(b, layer))
                 # in place: a new tensor per batch would pin the heap between the batch's freed temporaries
                 self.h[b].copy_(out[0] if isinstance(out, tuple) else out)
         finally:

@@ -286,6 +286,11 @@ def _precompute(attn: nn.Module, fold: bool | None) -> None:
         attn.register_buffer("absorb_w_uv", w_uv.transpose(1, 2).to(dtype).contiguous(), persistent=False)
 
 
+# Single-token decode attention over the latent: "sdpa" (one fused call, heads folded into the query
+# axis) or "bmm" (two batched matmuls); both exact, the faster depends on the machine (reports/throughput).
+DECODE_KERNEL = "sdpa"
+
+
 def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, scaling: float, rank: int) -> torch.Tensor:
     """Softmax attention of all heads over one shared latent key; the value is the key's first `rank` dims.
 
@@ -312,6 +317,15 @@ def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, 
     # The value is the key itself (its first r dims are c): equal q/k/v widths keep SDPA on its fused
     # kernel on CPU (a narrower value falls back to the slow math kernel); the extra R columns of
     # output are dropped.
+    if S == 1 and DECODE_KERNEL == "bmm":
+        # Decode as two batched matmuls over the latent: scores [B, h, T] = q [B, h, E] x latent^T, then
+        # p x latent[:, :, :r]; no kernel dispatch on a one-head SDPA
+        scores = torch.bmm(query.view(B, h, E), latent.transpose(1, 2)).float() * scaling
+        if attention_mask is not None:
+            m = attention_mask.view(B, 1, T) if attention_mask.shape[0] == B else attention_mask.view(1, 1, T)
+            scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+        p = torch.softmax(scores, dim=-1).to(latent.dtype)
+        return torch.bmm(p, latent[..., :rank]).view(B, h, 1, rank)
     if S == 1:
         # Decode: fold the heads into the query-length axis of a single KV head (MQA). One [h, E] x
         # [E, T] product per sequence reads the cache once; a [B, 1, 1, T] mask broadcasts over heads.
@@ -328,6 +342,34 @@ def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, 
             attention_mask = (pos >= torch.arange(T, device=query.device)[None, :])[None, None]
     out = F.scaled_dot_product_attention(query, key, key, attn_mask=attention_mask, is_causal=is_causal, scale=scaling)
     return out[..., :rank]
+
+
+def scaled_latent_attention(query: torch.Tensor, latent: torch.Tensor, key_scale: torch.Tensor, attention_mask,
+                            scaling: float, rank: int) -> torch.Tensor:
+    """`latent_attention` with every score of head j and key t multiplied by key_scale[j, t] (Qwen3's key
+    norm), as two batched matmuls over the latent.
+
+    Args:
+        query `[B, h, S, r + R]`, latent `[B, T, r + R]`, key_scale `[B, h, T, 1]`, attention_mask and
+        scaling as in `latent_attention`, rank r.
+    Returns:
+        `torch.Tensor` of shape `[B, h, S, r]`.
+    """
+    B, h, S, _ = query.shape
+    T = latent.shape[1]
+    scores = torch.matmul(query, latent.unsqueeze(1).transpose(-1, -2)).float()  # [B, h, S, T]
+    scores = scores * (key_scale.transpose(-1, -2).float() * scaling)
+    if attention_mask is None:
+        pos = torch.arange(S, device=query.device)[:, None] + (T - S)  # bottom-right causal
+        attention_mask = (pos >= torch.arange(T, device=query.device)[None, :])[None, None]
+    else:
+        attention_mask = attention_mask[..., -T:] if attention_mask.shape[-1] != T else attention_mask
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    else:
+        scores = scores + attention_mask.float()
+    p = torch.softmax(scores, dim=-1).to(latent.dtype)
+    return torch.matmul(p, latent[..., :rank].unsqueeze(1))  # [B, h, S, r]
 
 
 def absorbed_forward(
@@ -353,6 +395,8 @@ def absorbed_forward(
 
     B, S, _ = hidden_states.shape
     h, r, R, dn = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim
+    if hasattr(self, "mla_position_embeddings"):  # Gemma 3 (transmla.models): the original's cos/sin at the RoPE plan
+        position_embeddings = self.mla_position_embeddings(position_embeddings)
 
     # Queries, absorbed: [W_UK^T q_nope ; q_rope] per head.
     x_q = hidden_states if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(hidden_states))
@@ -363,7 +407,8 @@ def absorbed_forward(
         q_lin = self.q_proj if self.q_lora_rank is None else self.q_b_proj
         q = q_lin(x_q).view(B, S, h, dn + R).transpose(1, 2)  # [B, h, S, dn + R]
         q_nope, q_rot = q.split([dn, R], dim=-1)
-        q_lat = torch.matmul(q_nope, self.absorb_w_uk)  # [B, h, S, dn] x [h, dn, r] -> [B, h, S, r]
+        # per-head product as an einsum: matmul would broadcast W_UK into a copy per sequence and step
+        q_lat = torch.einsum("bhsd,hdr->bhsr", q_nope, self.absorb_w_uk)  # [B, h, S, r]
 
     # The latent exactly as the stock module builds it: c after kv_a_layernorm, k_pe after RoPE.
     compressed = self.kv_a_proj_with_mqa(hidden_states)  # [B, S, r + R]
@@ -372,22 +417,29 @@ def absorbed_forward(
     cos, sin = position_embeddings
     rope = apply_rotary_pos_emb_interleave if self.config.rope_interleave else apply_rotary_pos_emb
     q_rot, k_rot = rope(q_rot, k_rot.view(B, 1, S, R), cos, sin)
-    latent = torch.cat([c_kv, k_rot.view(B, S, R)], dim=-1)  # [B, S, r + R]
+    # Qwen3 (transmla.models.Qwen3MLAAttention): one key scale per token and KV head, cached after k_pe
+    scale = self.key_scale(hidden_states) if hasattr(self, "key_scale") else None  # [B, S, g]
+    k_rot = k_rot.view(B, S, R) if scale is None else torch.cat([k_rot.view(B, S, R), scale], dim=-1)
+    latent = torch.cat([c_kv, k_rot], dim=-1)  # [B, S, r + R (+ g)]
 
     if isinstance(past_key_values, LatentCache):
-        latent = past_key_values.update_latent(latent, self.layer_idx, r)  # [B, T, r + R]
+        latent = past_key_values.update_latent(latent, self.layer_idx, r)  # [B, T, r + R (+ g)]
     elif past_key_values is not None:  # e.g. a DynamicCache: stock layout, joined here
-        c_all, k_all = past_key_values.update(c_kv.view(B, 1, S, r), k_rot, self.layer_idx)
+        c_all, k_all = past_key_values.update(c_kv.view(B, 1, S, r), k_rot.unsqueeze(1), self.layer_idx)
         latent = torch.cat([c_all[:, 0], k_all[:, 0]], dim=-1)
 
     query = torch.cat([q_lat, q_rot], dim=-1)  # [B, h, S, r + R]
-    out = latent_attention(query, latent, attention_mask, self.scaling, r)  # [B, h, S, r]
+    if scale is None:
+        out = latent_attention(query, latent, attention_mask, self.scaling, r)  # [B, h, S, r]
+    else:
+        latent, scale = latent.split([r + R, scale.shape[-1]], dim=-1)
+        out = scaled_latent_attention(query, latent, self.head_scale(scale), attention_mask, self.scaling, r)
 
     # Values, absorbed: W_UV folded into o_proj (or applied per head on the r-dim result).
     if "absorb_o_weight" in self._buffers:
         out = F.linear(out.transpose(1, 2).reshape(B, S, h * r), self.absorb_o_weight, self.o_proj.bias)
     else:
-        out = torch.matmul(out, self.absorb_w_uv)  # [B, h, S, r] x [h, r, dv] -> [B, h, S, dv]
+        out = torch.einsum("bhsr,hrv->bhsv", out, self.absorb_w_uv)  # [B, h, S, dv], no W_UV copy per sequence
         out = self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
     return out, None
 

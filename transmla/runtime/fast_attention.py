@@ -3,7 +3,8 @@
 DeepSeek's value head (d) is narrower than its query/key head (d + R); torch's SDPA then falls
 back to its slow "math" kernel on CPU (2x slower end to end on SmolLM2). Zero-padding the values to
 the key width keeps the fused kernel and gives identical outputs after slicing. Only valid without
-padding masks (perplexity windows, single-sequence generation), so it is opt-in:
+padding masks (perplexity windows, single-sequence generation), so it is opt-in (sliding-window layers
+pass their window and get it):
 `use_causal_padded_sdpa(model)`.
 """
 
@@ -22,7 +23,11 @@ def causal_padded_sdpa(module, query, key, value, attention_mask, scaling=None, 
         value = F.pad(value, (0, query.shape[-1] - dv))
     gqa = query.shape[1] != key.shape[1]  # GQA models (the originals) share K/V heads
     tq, tk = query.shape[-2], key.shape[-2]
-    if tq == tk:
+    window = kwargs.get("sliding_window")  # a sliding layer (Gemma 3): key j visible from query i while i - j < window
+    if window is not None and tk > window:
+        ones = torch.ones(tq, tk, dtype=torch.bool, device=query.device)
+        mask, causal = ones.tril(tk - tq) & ~ones.tril(tk - tq - window), False
+    elif tq == tk:
         mask, causal = None, True
     elif tq == 1:
         mask, causal = None, False  # one decode step: the last position sees every cached key

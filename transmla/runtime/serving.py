@@ -61,6 +61,11 @@ def _rope_type(config) -> str:
 
 def check_paddable(config, kv_lora_rank: int = VLLM_KV_LORA_RANK, qk_rope_head_dim: int = VLLM_QK_ROPE_HEAD_DIM) -> None:
     """Raise TransMLAError (with the fix) unless `config` can be padded to the target sizes exactly."""
+    if getattr(config, "model_type", None) == "transmla_mixtral_mla":
+        raise TransMLAError(
+            "vLLM serving of a Mixtral (MoE) export is not built yet: vLLM's DeepseekV2ForCausalLM would carry it "
+            "(scoring_func softmax, norm_topk_prob true, n_shared_experts null, experts under per-expert names).",
+            "serve it with transformers (import transmla.models, then AutoModelForCausalLM), absorb included.")
     if getattr(config, "model_type", None) != "deepseek_v3":
         raise TransMLAError(f"Not a DeepSeek-V3 checkpoint (model_type={getattr(config, 'model_type', None)!r}).",
                             "pad the output of `transmla convert`.")
@@ -73,10 +78,11 @@ def check_paddable(config, kv_lora_rank: int = VLLM_KV_LORA_RANK, qk_rope_head_d
     kind = _rope_type(config)
     if kind != "default":
         raise TransMLAError(
-            f"The checkpoint's RoPE is {kind!r}, not standard: its frequencies (e.g. a --lossless export's LongRoPE "
-            "factors) cannot be expressed by vLLM's DeepSeek RoPE.",
-            "convert with a standard plan (drop --lossless; --qk-rope-dim R with R dividing "
-            f"{qk_rope_head_dim}) and serve that in vLLM; keep LongRoPE exports for transformers.")
+            f"The checkpoint's RoPE is {kind!r}, not standard: its frequencies (a --lossless export's LongRoPE "
+            "factors, or a Llama-3 / linear scaling carried from the original) cannot be expressed by vLLM's DeepSeek "
+            "RoPE, which reads every scaled RoPE as its DeepSeek-YaRN.",
+            "for an unscaled original, convert with a standard plan (drop --lossless; --qk-rope-dim R with R dividing "
+            f"{qk_rope_head_dim}) and serve that in vLLM; serve scaled-RoPE and LongRoPE exports with transformers.")
     if not getattr(config, "rope_interleave", False):
         raise TransMLAError("The checkpoint does not use the interleaved RoPE layout (rope_interleave: false).",
                             "re-export with `transmla convert` (which writes rope_interleave: true).")

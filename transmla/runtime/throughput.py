@@ -4,9 +4,18 @@ Setup as in the paper: a batch of B requests, input length = output length = con
 greedy, no EOS stopping (min_new_tokens = max_new_tokens), random prompt tokens (seeded). Backends:
 
     hf       `model.generate` with the model's own default cache (DynamicCache): the original Llama/Qwen2
-             and the converted DeepseekV3 as stock transformers runs them
+             and the converted DeepseekV3 as stock transformers runs them (stock default)
+    static   the original's best stock way (`decode_step` only): a preallocated StaticCache, SDPA, GQA
+             heads never repeated in memory (transformers' SDPA path passes enable_gqa)
     absorb   the same `generate` loop on a DeepseekV3 model with `transmla.runtime.absorb` enabled and a
              preallocated `LatentCache` (kv_lora_rank + qk_rope_head_dim values per token and layer)
+
+Roofline: a decode step must read every weight once and the whole KV cache of the batch; over the
+machine's measured copy bandwidth (`memory_bandwidth`) that is a lower bound on its time
+(`step_bytes`), reported next to each measured step as "x of the bound".
+
+Timings synchronise the model's device before every clock read (`synchronize`): on a GPU an
+unsynchronised clock measures kernel launches, not kernels.
 
 Pure functions: no files, no orchestration; results are flat dicts. Wall-clock numbers depend on the
 machine and its load; nothing here asserts a speed.
@@ -25,7 +34,7 @@ import torch
 from transmla.errors import TransMLAError
 from transmla.runtime.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
-BACKENDS = ("hf", "absorb")
+BACKENDS = ("hf", "static", "absorb")
 GIB = 2**30
 
 
@@ -35,7 +44,9 @@ GIB = 2**30
 
 
 def is_mla(config) -> bool:
-    return getattr(config, "model_type", None) in ("deepseek_v3", "deepseek_v2") and hasattr(config, "kv_lora_rank")
+    mt = getattr(config, "model_type", None) or ""
+    # this package's MLA classes (transmla.models) are named transmla_*_mla
+    return (mt in ("deepseek_v3", "deepseek_v2") or mt.startswith("transmla_")) and hasattr(config, "kv_lora_rank")
 
 
 @functools.lru_cache(maxsize=1)
@@ -118,6 +129,73 @@ def cache_nbytes(cache) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
+# Roofline
+# --------------------------------------------------------------------------------------------------
+
+
+def synchronize(device) -> None:
+    """Wait until `device` has run every queued kernel (CUDA; a no-op on CPU, which runs eagerly)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def memory_bandwidth(device="cpu", nbytes: int = 1 << 30, repeats: int = 5) -> dict:
+    """Measured memory bandwidth of `device`: a copy of `nbytes` reads and writes nbytes each, so
+    bandwidth = 2 nbytes / time (median of `repeats` after one warm-up copy)."""
+    n = nbytes // 4
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        times.append(time.perf_counter() - t)
+    times.sort()
+    med = times[len(times) // 2]
+    del src, dst
+    return {"device": str(torch.device(device)), "bytes_per_s": 2 * n * 4 / med, "copy_bytes": n * 4,
+            "best_bytes_per_s": 2 * n * 4 / times[0], "repeats": repeats}
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights one decode step reads: every parameter and absorbed buffer once, except the input
+    embedding table (a step reads B of its rows) unless it is also the output head (tied), and except
+    what an absorbed attention layer replaced by its precomputed matrices (kv_b_proj always; the query
+    projection or o_proj's weight when folded)."""
+    seen, total = set(), 0
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight if model.get_output_embeddings() is not None else None
+    skip = set()
+    if head is None or head.data_ptr() != emb.data_ptr():
+        skip.add(emb.data_ptr())
+    for m in model.modules():
+        if "absorb_q_weight" in m._buffers or "absorb_w_uk" in m._buffers:
+            skip.add(m.kv_b_proj.weight.data_ptr())
+            if "absorb_q_weight" in m._buffers:
+                skip.add((m.q_proj if m.q_lora_rank is None else m.q_b_proj).weight.data_ptr())
+            if "absorb_o_weight" in m._buffers:
+                skip.add(m.o_proj.weight.data_ptr())
+    for t in list(model.parameters()) + [b for name, b in model.named_buffers() if name.rsplit(".", 1)[-1].startswith("absorb_")]:
+        if t.data_ptr() in seen or t.data_ptr() in skip:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def step_bytes(model, backend: str, context: int, batch: int) -> dict:
+    """The least a decode step at `context` cached tokens must read: weights + the batch's KV cache."""
+    dtype = next(model.parameters()).dtype
+    kv = batch * context * kv_bytes_per_token(model.config, "hf" if backend == "static" else backend, dtype)
+    w = weight_bytes_per_step(model)
+    return {"weight_bytes": w, "kv_bytes": kv, "step_bytes": w + kv}
+
+
+# --------------------------------------------------------------------------------------------------
 # Measurement
 # --------------------------------------------------------------------------------------------------
 
@@ -125,10 +203,12 @@ def cache_nbytes(cache) -> int:
 class _Clock:
     """A generate streamer that only timestamps: put() #0 is the prompt, #k the k-th new token."""
 
-    def __init__(self):
+    def __init__(self, device="cpu"):
         self.times: list[float] = []
+        self.device = device
 
     def put(self, value):
+        synchronize(self.device)
         self.times.append(time.perf_counter())
 
     def end(self):
@@ -223,6 +303,8 @@ def measure(
     if backend == "absorb" and not is_mla(config):
         raise TransMLAError(f"The absorb backend needs an MLA (DeepseekV3) model, got {config.model_type!r}.",
                             "measure the original with backend 'hf'.")
+    if backend == "static":
+        raise TransMLAError("The static backend is measured per decode step only.", "use decode_step(..., backend='static').")
     out_len = context - context // 2 if output_len is None else output_len
     in_len = context - out_len
     if in_len < 1 or out_len < 1:
@@ -242,9 +324,11 @@ def measure(
                 _generate(model, backend, ids[:, : min(in_len, 32)], min(out_len, 4))
             rss_method = reset_peak_rss()
             rss0 = rss_bytes()
-            clock = _Clock()
+            clock = _Clock(model.device)
+            synchronize(model.device)
             t0 = time.perf_counter()
             out = _generate(model, backend, ids, out_len, streamer=clock)
+            synchronize(model.device)
             t_end = time.perf_counter()
             peak = peak_rss_bytes()
             cache = out.past_key_values
@@ -301,6 +385,7 @@ def decode_step(
     threads: int | None = None,
     vocab_size: int | None = None,
     seed: int = 0,
+    bandwidth: float | None = None,
 ) -> dict:
     """Time per output token at a given context, without a full run: prefill ONE random sequence of
     `context` tokens, replicate its cache to `batch` rows (`Cache.batch_repeat_interleave`; the cost of a
@@ -308,7 +393,11 @@ def decode_step(
     (what each `generate` step does, minus its bookkeeping). Far cheaper than `measure` at long contexts
     (one prefill of `context` tokens instead of `batch`), at the price of not being the paper's run.
 
-    Returns: median / min time per output token (ms), batch / median as decode tokens/s, the cache
+    backend "static": the prefilled sequence is copied into a preallocated StaticCache of `batch` rows
+    (the original's best stock decode). `bandwidth` (bytes/s, `memory_bandwidth`): adds the roofline,
+    the step's bytes (`step_bytes`) over it and the measured median as a multiple of that bound.
+
+    Returns: median / min / max time per output token (ms), batch / median as decode tokens/s, the cache
     length reached, the single-sequence prefill seconds and the cache's measured bytes per token.
     """
     from transformers import DynamicCache
@@ -320,6 +409,7 @@ def decode_step(
     if backend == "absorb" and not is_mla(config):
         raise TransMLAError(f"The absorb backend needs an MLA (DeepseekV3) model, got {config.model_type!r}.",
                             "measure the original with backend 'hf'.")
+    dev = model.device
     ids = random_prompts(vocab_size or config.vocab_size, 1, context, seed).to(model.device)
     threads = threads or default_threads()
     old_threads = torch.get_num_threads()
@@ -329,27 +419,35 @@ def decode_step(
         with absorbed(model, enabled=backend == "absorb") if is_mla(config) else contextlib.nullcontext(), torch.inference_mode():
             total = context + warmup_steps + steps
             cache = LatentCache(config, max_cache_len=total) if backend == "absorb" else DynamicCache(config=config)
+            synchronize(dev)
             t0 = time.perf_counter()
             out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            synchronize(dev)
             prefill = time.perf_counter() - t0
-            cache.batch_repeat_interleave(batch)
+            cache = static_copy(cache, config, batch, total) if backend == "static" else cache
+            if backend != "static":
+                cache.batch_repeat_interleave(batch)
             nxt = out.logits[:, -1:].argmax(-1).repeat(batch, 1)  # [batch, 1]
             for i in range(warmup_steps + steps):
+                synchronize(dev)
                 t = time.perf_counter()
                 out = model(nxt, past_key_values=cache, use_cache=True)
                 nxt = out.logits[:, -1:].argmax(-1)
+                synchronize(dev)
                 if i >= warmup_steps:
                     times.append(time.perf_counter() - t)
-            length = cache.get_seq_length()
+            length = int(cache.get_seq_length())
             kv_measured = cache_nbytes(cache) / (batch * length)
+            roof = step_bytes(model, backend, context, batch)
             del out, cache
     finally:
         torch.set_num_threads(old_threads)
     times.sort()
     median = times[len(times) // 2]
-    return {
+    row = {
         "backend": backend,
         "model_type": config.model_type,
+        "device": str(dev),
         "threads": threads,
         "context": context,
         "batch": batch,
@@ -357,11 +455,35 @@ def decode_step(
         "cache_length_end": length,
         "time_per_output_token_ms": 1e3 * median,
         "time_per_output_token_min_ms": 1e3 * times[0],
+        "time_per_output_token_max_ms": 1e3 * times[-1],
         "decode_tokens_per_s": batch / median,
         "prefill_one_sequence_s": prefill,
-        "kv_bytes_per_token": kv_bytes_per_token(config, backend, next(model.parameters()).dtype),
+        "kv_bytes_per_token": kv_bytes_per_token(config, "hf" if backend == "static" else backend,
+                                                 next(model.parameters()).dtype),
         "kv_bytes_per_token_measured": kv_measured,
+        **roof,
     }
+    if bandwidth:
+        row["bandwidth_bytes_per_s"] = bandwidth
+        row["bound_ms"] = 1e3 * roof["step_bytes"] / bandwidth
+        row["x_of_bound"] = 1e3 * median / row["bound_ms"]
+    return row
+
+
+def static_copy(cache, config, batch: int, max_cache_len: int):
+    """A preallocated StaticCache of `batch` rows holding the single prefilled sequence of `cache` (a
+    DynamicCache) in every row: the original model's decode in its best stock form."""
+    from transformers import StaticCache
+
+    static = StaticCache(config=config, max_cache_len=max_cache_len)
+    for src, dst in zip(cache.layers, static.layers, strict=True):
+        k, v = src.keys, src.values  # [1, kv_heads, T, d]
+        T = k.shape[-2]
+        dst.lazy_initialization(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1))
+        dst.keys[:, :, :T] = k
+        dst.values[:, :, :T] = v
+        dst.cumulative_length.fill_(T)
+    return static
 
 
 def sweep(

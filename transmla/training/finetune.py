@@ -257,7 +257,8 @@ def check_stock_deepseek(model) -> None:
     if getattr(model.config, "model_type", None) != "deepseek_v3":
         raise TransMLAError(
             f"finetune expects a converted DeepseekV3 checkpoint, got model_type={model.config.model_type!r}.",
-            "convert the model first (transmla convert / the convert stage) and fine-tune its output directory.",
+            "convert the model first (transmla convert / the convert stage) and fine-tune its output directory "
+            "(exports into this package's classes, Mixtral, Qwen3 and Gemma 3, are not fine-tunable yet).",
         )
 
 

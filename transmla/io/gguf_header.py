@@ -1,0 +1,142 @@
+"""A GGUF file's header (its key/value metadata) without reading a single weight.
+
+A GGUF file starts with its metadata: magic "GGUF", version, tensor count, key/value count, then the
+key/value pairs (architecture, head counts, RoPE, tokenizer, ...); the tensors follow. Reading the
+header is enough to know whether the converter can handle the model, so an unsupported architecture
+is refused in seconds instead of after dequantising the whole file. The reader takes a list of files
+read as one stream (a GGUF split into parts: the header lies in the first part, possibly spilling over).
+
+Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (little-endian; v2 and v3).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import BinaryIO
+
+from transmla.errors import TransMLAError
+
+# value type id -> struct format of a scalar (8 = string, 9 = array: handled apart)
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_KEEP_ARRAY = 64  # arrays longer than this (tokenizer vocabularies) are skipped, only their length kept
+
+
+class _Chain:
+    """Sequential reads across several files, as if they were concatenated."""
+
+    def __init__(self, paths: list[str | os.PathLike]):
+        self.paths, self.i, self.f = list(paths), 0, None
+
+    def read(self, n: int) -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            if self.f is None:
+                if self.i >= len(self.paths):
+                    break
+                self.f = open(self.paths[self.i], "rb")  # noqa: SIM115 (closed below)
+            chunk = self.f.read(n - len(out))
+            if not chunk:
+                self.f.close()
+                self.f, self.i = None, self.i + 1
+                continue
+            out += chunk
+        if len(out) < n:
+            raise EOFError
+        return bytes(out)
+
+    def close(self):
+        if self.f is not None:
+            self.f.close()
+
+
+def _unpack(s: BinaryIO, fmt: str):
+    return struct.unpack("<" + fmt, s.read(struct.calcsize(fmt)))[0]
+
+
+def _string(s: BinaryIO) -> str:
+    return s.read(_unpack(s, "Q")).decode("utf-8", errors="replace")
+
+
+def _value(s: BinaryIO, vtype: int):
+    if vtype in _SCALAR:
+        return _unpack(s, _SCALAR[vtype])
+    if vtype == _STRING:
+        return _string(s)
+    if vtype == _ARRAY:
+        etype, n = _unpack(s, "I"), _unpack(s, "Q")
+        if n > _KEEP_ARRAY:
+            if etype in _SCALAR:  # skip in one read
+                s.read(n * struct.calcsize(_SCALAR[etype]))
+            else:
+                for _ in range(n):
+                    _value(s, etype)
+            return {"array_length": n}
+        return [_value(s, etype) for _ in range(n)]
+    raise ValueError(f"unknown GGUF value type {vtype}")
+
+
+def read_metadata(paths: str | os.PathLike | list) -> dict:
+    """{key: value} of a GGUF file's header, plus "__tensor_names__" (names only, no data).
+
+    Long arrays (the tokenizer's vocabulary) come back as {"array_length": n}.
+    """
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    s = _Chain(paths)
+    try:
+        if s.read(4) != b"GGUF":
+            raise TransMLAError(f"{paths[0]} is not a GGUF file (no GGUF magic).", "give the path of a .gguf file.")
+        version = _unpack(s, "I")
+        if version not in (2, 3):
+            raise TransMLAError(f"GGUF version {version} of {paths[0]} is not supported.", "use a GGUF v2 or v3 file.")
+        n_tensors, n_kv = _unpack(s, "Q"), _unpack(s, "Q")
+        meta = {}
+        for _ in range(n_kv):
+            key = _string(s)
+            meta[key] = _value(s, _unpack(s, "I"))
+        names = []
+        for _ in range(n_tensors):  # tensor infos: name, n_dims, dims, type, offset (the data comes later)
+            names.append(_string(s))
+            n_dims = _unpack(s, "I")
+            s.read(8 * n_dims + 4 + 8)
+        meta["__tensor_names__"] = names
+        return meta
+    except (EOFError, struct.error, ValueError) as e:
+        raise TransMLAError(f"Could not read the GGUF header of {paths[0]} ({e or 'truncated'}).",
+                            "check that the file is a complete GGUF file.") from e
+    finally:
+        s.close()
+
+
+# GGUF architecture name -> transformers model_type (llama.cpp files Mistral and Mixtral as "llama").
+_MODEL_TYPE = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
+
+
+def config_from_metadata(meta: dict) -> dict:
+    """The config fields the converter's checks read (transformers names), from GGUF metadata."""
+    arch = meta.get("general.architecture", "")
+    a = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    model_type = _MODEL_TYPE.get(arch, arch)
+    if arch == "llama" and (a("expert_count") or 0) > 0:
+        model_type = "mixtral"
+    elif arch == "llama" and "mistral" in str(meta.get("general.name", "")).lower():
+        model_type = "mistral"
+    cfg = {
+        "model_type": model_type,
+        "num_attention_heads": a("attention.head_count"),
+        "num_key_value_heads": a("attention.head_count_kv"),
+        "hidden_size": a("embedding_length"),
+        "num_hidden_layers": a("block_count"),
+        "head_dim": a("attention.key_length"),
+        "num_local_experts": a("expert_count"),
+        "sliding_window": a("attention.sliding_window"),
+        "rope_theta": a("rope.freq_base"),
+    }
+    rtype = a("rope.scaling.type")
+    if rtype and rtype != "none":
+        cfg["rope_parameters"] = {"rope_type": rtype, "factor": a("rope.scaling.factor")}
+    elif "rope_freqs.weight" in meta.get("__tensor_names__", ()):
+        # llama.cpp stores Llama-3.1-style scaling as per-frequency factors in this tensor
+        cfg["rope_parameters"] = {"rope_type": "llama3"}
+    return {k: v for k, v in cfg.items() if v is not None}
