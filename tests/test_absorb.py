@@ -145,6 +145,17 @@ def test_latent_cache_holds_what_the_stock_module_computes(mla):
     assert (stock_filled - ref).abs().max() < TOL
 
 
+
+def test_latent_cache_under_a_read_only_base_max_cache_len(mla, monkeypatch):
+    """transformers 5.17's Cache has a read-only max_cache_len property: constructing a LatentCache
+    must not assign to it (it raised AttributeError there), and it still reports its preallocation."""
+    from transformers import cache_utils
+
+    monkeypatch.setattr(cache_utils.Cache, "max_cache_len", property(lambda self: -1), raising=False)
+    cache = LatentCache(mla.config, max_cache_len=24)
+    assert cache.max_cache_len == 24
+    assert LatentCache(mla.config).max_cache_len is None
+
 def test_greedy_generate_identical(mla):
     ids = _ids(mla, batch=2, n=8)
     kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
@@ -163,6 +174,20 @@ def decode_kernel(request, monkeypatch):
 
     monkeypatch.setattr(absorb, "DECODE_KERNEL", request.param)
     return request.param
+
+
+def test_decode_kernel_choice(monkeypatch):
+    """"auto" resolves per device (the measured winner); an explicit kernel is kept; a typo is refused."""
+    from transmla.runtime import absorb
+
+    monkeypatch.setattr(absorb, "DECODE_KERNEL", "auto")
+    assert absorb.decode_kernel(torch.device("cpu")) == "sdpa"
+    assert absorb.decode_kernel(torch.device("cuda", 0)) == "bmm"
+    monkeypatch.setattr(absorb, "DECODE_KERNEL", "bmm")
+    assert absorb.decode_kernel(torch.device("cpu")) == "bmm"
+    monkeypatch.setattr(absorb, "DECODE_KERNEL", "flash")
+    with pytest.raises(TransMLAError, match="decode kernel"):
+        absorb.decode_kernel(torch.device("cpu"))
 
 
 def test_decode_kernels_match_stock(mla, decode_kernel):

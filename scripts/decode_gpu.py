@@ -1,0 +1,308 @@
+"""Decode speed at a real model's shape on a GPU: original GQA vs converted MLA (issue 20's GPU rows).
+
+Random weights with the converter's own shapes (the cost of a decode step does not depend on the
+values): the original LlamaForCausalLM and the DeepseekV3ForCausalLM that `transmla convert` would
+write for it (`transmla.io.export.deepseek_config`, RoPE 64 + latent 512 by default). Per context
+and batch, one sequence is prefilled, replicated into a preallocated cache of the batch, and single-
+token steps are timed (synchronised):
+
+    original  hf        stock default: DynamicCache, eager
+              static    best stock: preallocated StaticCache, SDPA (GQA heads not repeated), eager
+              static+g  the same step captured as a CUDA graph
+    MLA       stock     stock DeepseekV3 forward over the latent cache (keys/values materialised from
+                        the latent every step: the "materialise" path), eager and +g
+              absorb    transmla.runtime.absorb, decode kernel "sdpa" or "bmm", eager and +g
+
+A graph replays the captured step (same cache slot, same length): the work of one decode step at
+that context. Roofline: the step's bytes (`throughput.step_bytes`: weights once + the batch's KV
+cache) over the measured copy bandwidth. At the last context the largest batch that fits is
+measured for the original's best and absorb's best. Results are appended to a JSON lines file as
+they come, so a run cut short keeps what it measured.
+
+    python scripts/decode_gpu.py --out decode.jsonl                      # Llama-2-7B shape, cuda
+    python scripts/decode_gpu.py --shape tiny --device cpu --out x.jsonl  # smoke test, no graphs
+    python scripts/decode_gpu.py --report reports/throughput/gpu/*.jsonl > reports/throughput/gpu/README.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transmla.runtime import absorb, throughput  # noqa: E402
+from transmla.runtime.throughput import synchronize  # noqa: E402
+
+SHAPES = {
+    # name: LlamaConfig fields (published configs)
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, rope_theta=10000.0, max_position_embeddings=4096),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000, rope_theta=10000.0, max_position_embeddings=4096),
+}
+
+
+def build(shape: str, which: str, rope_dim: int, rank: int, device, dtype):
+    """Random-weight original (LlamaForCausalLM) or its converted DeepseekV3 shape, on `device`."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from transmla.adapters import read_spec
+    from transmla.io.export import deepseek_config
+    from transmla.method.rope import standard_plan
+
+    cfg = LlamaConfig(**SHAPES[shape], attn_implementation="sdpa")
+    if which == "mla":
+        spec = read_spec(cfg)
+        cfg = deepseek_config(spec, standard_plan(spec.d, rope_dim), rank, None, False, str(dtype).removeprefix("torch."))
+        cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def fill_cache(model, backend: str, context: int, batch: int, total: int):
+    """Prefill one random sequence of `context` tokens; return (cache of `batch` copies, capacity `total`)."""
+    from transformers import DynamicCache
+
+    cfg, dev = model.config, model.device
+    ids = throughput.random_prompts(cfg.vocab_size, 1, context).to(dev)
+    mla = throughput.is_mla(cfg)
+    one = absorb.LatentCache(cfg, max_cache_len=context) if mla else DynamicCache(config=cfg)
+    absorb.disable_absorb(model) if mla else None  # prefill with the stock forward: same latent layout
+    out = model(ids, past_key_values=one, use_cache=True, logits_to_keep=1)
+    nxt = out.logits[:, -1:].argmax(-1).repeat(batch, 1)
+    del out
+    if backend == "static":
+        cache = throughput.static_copy(one, cfg, batch, total)
+    elif backend == "hf":
+        one.batch_repeat_interleave(batch)
+        cache = one
+    else:  # a LatentCache preallocated for the batch, filled through its public append
+        cache = absorb.LatentCache(cfg, max_cache_len=total)
+        for i, layer in enumerate(one.layers):
+            src = layer.buffer[:, :context]
+            cache.update_latent(src.expand(batch, *src.shape[1:]), i, cfg.kv_lora_rank)
+    del one
+    return cache, nxt
+
+
+def time_steps(model, backend: str, cache, nxt, context: int, *, graph: bool, steps: int, warmup: int):
+    """Median/min/max seconds of one decode step (eager: real successive steps; graph: replays)."""
+    dev = model.device
+    B = nxt.shape[0]
+    ids = nxt.clone()
+    if backend == "static" or graph:  # a fixed slot: StaticCache needs its position as a tensor
+        cp = torch.tensor([context], device=dev)
+        kw = dict(cache_position=cp, position_ids=cp.view(1, 1).expand(B, 1))
+    else:
+        kw = {}
+
+    def step():
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, **kw)
+        return out.logits[:, -1:].argmax(-1)
+
+    times = []
+    if not graph:
+        for i in range(warmup + steps):
+            synchronize(dev)
+            t = time.perf_counter()
+            ids.copy_(step())
+            synchronize(dev)
+            if i >= warmup:
+                times.append(time.perf_counter() - t)
+    else:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(warmup):
+                step()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = step()
+        for i in range(2 + steps):
+            synchronize(dev)
+            t = time.perf_counter()
+            g.replay()
+            synchronize(dev)
+            if i >= 2:
+                times.append(time.perf_counter() - t)
+        del g, out
+    times.sort()
+    return times[len(times) // 2], times[0], times[-1]
+
+
+def cell(model, backend, context, batch, *, graph, kernel, steps, warmup, bandwidth, extra=None):
+    """One measured cell as a flat dict (error recorded instead of raised)."""
+    row = dict(backend=backend, graph=graph, kernel=kernel, context=context, batch=batch, model_type=model.config.model_type,
+               **(extra or {}))
+    cache = None
+    try:
+        total = context + warmup + steps + 8
+        cache, nxt = fill_cache(model, "absorb" if backend in ("absorb", "stock") else backend, context, batch, total)
+        if backend == "absorb":
+            absorb.DECODE_KERNEL = kernel
+            absorb.enable_absorb(model)
+        elif throughput.is_mla(model.config):
+            absorb.disable_absorb(model)
+        med, lo, hi = time_steps(model, backend, cache, nxt, context, graph=graph, steps=steps, warmup=warmup)
+        roof = throughput.step_bytes(model, "absorb" if backend == "absorb" else ("static" if backend == "static" else "hf"),
+                                     context, batch)
+        row.update(ms=1e3 * med, ms_min=1e3 * lo, ms_max=1e3 * hi, tokens_per_s=batch / med, **roof)
+        if bandwidth:
+            row.update(bound_ms=1e3 * roof["step_bytes"] / bandwidth, x_of_bound=med * bandwidth / roof["step_bytes"])
+        if torch.cuda.is_available():
+            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    except Exception as e:  # noqa: BLE001 - a benchmark records what failed and goes on
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        traceback.print_exc(limit=3)
+    finally:
+        del cache
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    return row
+
+
+def max_batch(model, backend: str, context: int, margin_gib: float) -> int:
+    """Largest batch whose cache (context + slack tokens) fits in free memory minus a margin."""
+    free, _ = torch.cuda.mem_get_info()
+    dtype = next(model.parameters()).dtype
+    per_seq = (context + 64) * throughput.kv_bytes_per_token(model.config, "absorb" if backend == "absorb" else "hf", dtype)
+    return max(1, int((free - margin_gib * 2**30) // per_seq))
+
+
+def report(paths: list[str]) -> str:
+    """Markdown tables from JSON-lines results: per shape, ms per step of every path, the speedup of
+    absorb's best over the original's best, absorb's multiple of its bandwidth bound, largest batches."""
+    lines = []
+    for p in paths:
+        rows = [json.loads(line) for line in Path(p).read_text().splitlines() if line.strip()]
+        info = next(r for r in rows if r.get("kind") == "info")
+        cells = [r for r in rows if r.get("kind") != "info" and "ms" in r]
+        lines += [f"## {info['shape']} on {info['device']}", "",
+                  f"{info['dtype']}, torch {info['torch']}, transformers {info['transformers']}, measured copy bandwidth "
+                  f"{info['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s. ms per decode step (median of the steps; +g = CUDA graph); "
+                  "bound = (weights + the batch's KV cache) / bandwidth.", ""]
+        paths_ = [("original", "hf", False, None, "original stock (DynamicCache)"),
+                  ("original", "static", False, None, "original StaticCache"),
+                  ("original", "static", True, None, "original StaticCache +g"),
+                  ("mla", "stock", True, None, "MLA stock (materialise) +g"),
+                  ("mla", "absorb", True, "sdpa", "absorb sdpa +g"),
+                  ("mla", "absorb", True, "bmm", "absorb bmm +g")]
+        lines += ["| context | batch | " + " | ".join(n for *_, n in paths_) + " | best absorb vs best original | absorb x of bound | original x of bound |",
+                  "|---:|---:|" + "---:|" * (len(paths_) + 3)]
+        pick = lambda ctx, b, backend, g, k, largest=False: next(  # noqa: E731
+            (r for r in cells if (r["context"], r["batch"], r["backend"], r["graph"], r["kernel"]) == (ctx, b, backend, g, k)
+             and bool(r.get("largest_batch")) == largest), None)
+        for ctx, b in sorted({(r["context"], r["batch"]) for r in cells if not r.get("largest_batch")}):
+            got = [pick(ctx, b, be, g, k) for _, be, g, k, _ in paths_]
+            orig = min((r for r in got[:3] if r), key=lambda r: r["ms"], default=None)
+            ab = min((r for r in got[4:] if r), key=lambda r: r["ms"], default=None)
+            fmt = [f"{r['ms']:.2f}" if r else "-" for r in got]
+            sp = f"{orig['ms'] / ab['ms']:.2f}x" if orig and ab else "-"
+            lines.append(f"| {ctx} | {b} | " + " | ".join(fmt) + f" | {sp} | {ab['x_of_bound']:.2f} ({ab['bound_ms']:.2f} ms) | "
+                         f"{orig['x_of_bound']:.2f} ({orig['bound_ms']:.2f} ms) |" if ab and orig else "")
+        big = [r for r in cells if r.get("largest_batch")]
+        if big:
+            lines += ["", "Largest batch that fits at the last context (memory left: the script's margin):", "",
+                      "| path | context | batch | ms per step | tokens/s | x of bound | peak GiB |", "|---|---:|---:|---:|---:|---:|---:|"]
+            for r in big:
+                name = f"{'original ' + r['backend'] if r['model_type'] != 'deepseek_v3' else 'absorb ' + str(r['kernel'])}{' +g' if r['graph'] else ''}"
+                lines.append(f"| {name} | {r['context']} | {r['batch']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {r['x_of_bound']:.2f} | {r.get('peak_gib', 0):.1f} |")
+            o = [r for r in big if r["model_type"] != "deepseek_v3"]
+            m = [r for r in big if r["model_type"] == "deepseek_v3"]
+            if o and m:
+                lines += ["", f"Largest-batch throughput, absorb over the original's best: **{m[-1]['tokens_per_s'] / o[-1]['tokens_per_s']:.2f}x**."]
+        errors = [r for r in rows if "error" in r]
+        if errors:
+            lines += ["", "Failed cells: " + "; ".join(f"{r['backend']} B={r['batch']} T={r['context']}: {r['error'][:80]}" for r in errors)]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--report":
+        print(report(sys.argv[2:]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="llama2-7b", choices=sorted(SHAPES))
+    ap.add_argument("--rope-dim", type=int, default=64)
+    ap.add_argument("--rank", type=int, default=512)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-batch", action="store_true", help="also the largest batch that fits at the last context")
+    ap.add_argument("--margin-gib", type=float, default=6.0, help="memory left free for activations at the largest batch")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+
+    dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    graphs = [False, True] if dev.type == "cuda" else [False]
+    out = Path(a.out)
+    import transformers
+
+    info = dict(kind="info", shape=a.shape, torch=torch.__version__, transformers=transformers.__version__,
+                device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", dtype=a.dtype)
+    bw = throughput.memory_bandwidth(dev, nbytes=(2 << 30) if dev.type == "cuda" else (1 << 28))
+    info["bandwidth_bytes_per_s"] = bw["bytes_per_s"]
+
+    def emit(row):
+        row = {"shape": a.shape, **row}
+        print(json.dumps(row), flush=True)
+        with out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    emit(info)
+    common = dict(steps=a.steps, warmup=a.warmup, bandwidth=bw["bytes_per_s"])
+    best = {}
+    with torch.inference_mode():
+        for which in ("original", "mla"):
+            model = build(a.shape, which, a.rope_dim, a.rank, dev, dtype)
+            plan = ([("hf", False, None), ("static", False, None)] + [("static", True, None)] * (dev.type == "cuda")
+                    if which == "original" else
+                    [(b, g, k) for b, k in (("stock", None), ("absorb", "sdpa"), ("absorb", "bmm")) for g in graphs])
+            for ctx in a.contexts:
+                for backend, graph, kernel in plan:
+                    row = cell(model, backend, ctx, a.batch, graph=graph, kernel=kernel, **common)
+                    emit(row)
+                    if "ms" in row and ctx == a.contexts[-1]:
+                        key = "original" if which == "original" and backend != "hf" else ("absorb" if backend == "absorb" else None)
+                        if key and (key not in best or row["ms"] < best[key]["ms"]):
+                            best[key] = row
+            if a.max_batch and dev.type == "cuda":
+                b = best.get("original" if which == "original" else "absorb")
+                if b:
+                    ctx = a.contexts[-1]
+                    nb = max_batch(model, b["backend"], ctx, a.margin_gib)
+                    for _ in range(4):  # shrink on OOM
+                        row = cell(model, b["backend"], ctx, nb, graph=b["graph"], kernel=b["kernel"], **common,
+                                   extra={"largest_batch": True})
+                        emit(row)
+                        if "error" not in row or "OutOfMemory" not in row["error"]:
+                            break
+                        nb = int(nb * 0.85)
+            del model
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
