@@ -209,6 +209,34 @@ def test_scaled_export_keeps_the_scaling_and_is_refused_by_the_vllm_check(tmp_pa
 # --- Mixtral: MLA attention + Mixtral's own MoE (transmla.models) -------------------------------
 
 
+def _check_lossless(src, out, cls_name: str, vocab: int, low: int, n: int, new_tokens: int):
+    """Convert `src` losslessly to `out`; the export loads as `cls_name` (after `import transmla.models`),
+    its log-probs match the original's within 1e-3 on n random tokens (ids from `low`), with and without
+    absorb, and greedy generation of `new_tokens` is identical in all three. Returns (original, absorbed
+    mla, prompt, the original's greedy tokens)."""
+    from transmla.runtime.absorb import enable_absorb
+
+    convert(str(src), out, ConvertOptions(lossless=True, **CAL), progress=False)
+    import transmla.models  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(mla).__name__ == cls_name
+    ids = torch.randint(low, vocab, (1, n), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = (torch.log_softmax(m(ids).logits.float(), -1) for m in (model, mla))
+    assert (a - b).abs().max() < 1e-3
+    prompt = ids[:, :8]
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    g1 = model.generate(prompt, **kw)
+    assert torch.equal(g1, mla.generate(prompt, **kw))
+    enable_absorb(mla)
+    with torch.no_grad():
+        assert (a - torch.log_softmax(mla(ids).logits.float(), -1)).abs().max() < 1e-3
+    assert torch.equal(g1, mla.generate(prompt, **kw))
+    return model, mla, prompt, g1
+
+
 def _tiny_mixtral(tmp_path, tok):
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -232,30 +260,13 @@ def test_lossless_conversion_of_a_mixtral(tmp_path, tiny_tokenizer):
 
     from safetensors.torch import load_file
 
-    from transmla.runtime.absorb import enable_absorb
-
     src = _tiny_mixtral(tmp_path, tiny_tokenizer)
     out = tmp_path / "mla"
-    convert(str(src), out, ConvertOptions(lossless=True, **CAL), progress=False)
-    import transmla.models  # noqa: F401
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    assert type(mla).__name__ == "MixtralMLAForCausalLM"
-    ids = torch.randint(0, len(tiny_tokenizer), (1, 200), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a, b = (torch.log_softmax(m(ids).logits.float(), -1) for m in (model, mla))
-    assert (a - b).abs().max() < 1e-3
-    prompt = ids[:, :8]
-    g1 = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
-    g2 = mla.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
-    assert torch.equal(g1, g2)
+    model, _, _, _ = _check_lossless(src, out, "MixtralMLAForCausalLM", len(tiny_tokenizer), 0, 200, 24)
     sd = load_file(next(out.glob("*.safetensors")))
     for name, t in model.state_dict().items():
         if ".mlp." in name:
             assert torch.equal(sd[name], t), name
-    g3 = enable_absorb(mla).generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
-    assert torch.equal(g1, g3)
     # a fresh process: `import transmla.models` is all AutoModelForCausalLM needs
     code = (f"import transmla.models; from transformers import AutoModelForCausalLM; "
             f"print(type(AutoModelForCausalLM.from_pretrained({str(out)!r})).__name__)")
@@ -298,28 +309,10 @@ def _tiny_qwen3(tmp_path, tok):
 def test_lossless_conversion_of_a_qwen3(tmp_path, tiny_tokenizer):
     """Qwen3 -> MLA with the QK-norm kept: lossless within 1e-3, same greedy tokens, absorb (DynamicCache and
     LatentCache) identical, loads with AutoModelForCausalLM after `import transmla.models`."""
-    from transmla.runtime.absorb import LatentCache, enable_absorb
+    from transmla.runtime.absorb import LatentCache
 
     src = _tiny_qwen3(tmp_path, tiny_tokenizer)
-    out = tmp_path / "mla"
-    convert(str(src), out, ConvertOptions(lossless=True, **CAL), progress=False)
-    import transmla.models  # noqa: F401
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    assert type(mla).__name__ == "Qwen3MLAForCausalLM"
-    ids = torch.randint(0, len(tiny_tokenizer), (1, 200), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a, b = (torch.log_softmax(m(ids).logits.float(), -1) for m in (model, mla))
-    assert (a - b).abs().max() < 1e-3
-    prompt = ids[:, :8]
-    g1 = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
-    assert torch.equal(g1, mla.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False))
-    enable_absorb(mla)
-    with torch.no_grad():
-        c = torch.log_softmax(mla(ids).logits.float(), -1)
-    assert (a - c).abs().max() < 1e-3
-    assert torch.equal(g1, mla.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False))
+    _, mla, prompt, g1 = _check_lossless(src, tmp_path / "mla", "Qwen3MLAForCausalLM", len(tiny_tokenizer), 0, 200, 24)
     cache = LatentCache(mla.config)
     g2 = mla.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False, past_key_values=cache)
     assert torch.equal(g1, g2)
@@ -386,27 +379,8 @@ def test_lossless_conversion_of_a_gemma3(tmp_path, tiny_tokenizer):
     """Gemma 3 (post-norms, (1 + w) weights, embedding scale, QK-norm, query_pre_attn_scalar, sliding and
     global layers with their own RoPE, one linear-scaled): lossless within 1e-3 beyond the window, same
     greedy tokens with and without absorb, loads with AutoModelForCausalLM after `import transmla.models`."""
-    from transmla.runtime.absorb import enable_absorb
-
     src = _tiny_gemma3(tmp_path, tiny_tokenizer)
-    out = tmp_path / "mla"
-    convert(str(src), out, ConvertOptions(lossless=True, **CAL), progress=False)
-    import transmla.models  # noqa: F401
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    assert type(mla).__name__ == "Gemma3MLAForCausalLM"
-    ids = torch.randint(1, len(tiny_tokenizer), (1, 100), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a, b = (torch.log_softmax(m(ids).logits.float(), -1) for m in (model, mla))
-    assert (a - b).abs().max() < 1e-3
-    prompt = ids[:, :8]
-    g1 = model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
-    assert torch.equal(g1, mla.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False))
-    enable_absorb(mla)
-    with torch.no_grad():
-        assert (a - torch.log_softmax(mla(ids).logits.float(), -1)).abs().max() < 1e-3
-    assert torch.equal(g1, mla.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False))
+    _check_lossless(src, tmp_path / "mla", "Gemma3MLAForCausalLM", len(tiny_tokenizer), 1, 100, 32)
 
 
 def test_gemma3_default_mode_and_its_simulation(tmp_path, tiny_tokenizer):
