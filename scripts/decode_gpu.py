@@ -176,6 +176,99 @@ def cell(model, backend, context, batch, *, graph, kernel, steps, warmup, bandwi
     return row
 
 
+def kernel_bench(dev, dtype, emit, h=32, rank=512, rope=64, shapes=((16, 1024), (16, 8192), (423, 8192)),
+                 configs=((16, 4, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 8, 3), (128, 8, 2)),
+                 programs=(1, 2, 4), bandwidth=None):
+    rows_seen = []
+    _emit = emit
+
+    def emit(row):  # noqa: F811 - keep what was measured to pick the configuration
+        rows_seen.append(row)
+        _emit(row)
+
+    """One layer's decode attention over the latent: the bmm kernel against the Triton split-K kernel per
+    launch configuration (block_t, num_warps, num_stages) and programs per SM; achieved bandwidth."""
+    from transmla.runtime import latent_decode as ld
+
+    def timeit(fn, n=20):
+        fn()
+        synchronize(dev)
+        ts = []
+        for _ in range(n):
+            synchronize(dev)
+            t = time.perf_counter()
+            fn()
+            synchronize(dev)
+            ts.append(time.perf_counter() - t)
+        ts.sort()
+        return ts[len(ts) // 2]
+
+    for B, T in shapes:
+        q = torch.randn(B, h, 1, rank + rope, device=dev, dtype=dtype)
+        lat = torch.randn(B, T + 64, rank + rope, device=dev, dtype=dtype)[:, :T]
+        nbytes = lat.numel() * lat.element_size()
+        ref = absorb.latent_attention  # kernel chosen by absorb.DECODE_KERNEL
+        absorb.DECODE_KERNEL = "bmm"
+        want = ref(q, lat, None, 0.05, rank)
+        t = timeit(lambda: ref(q, lat, None, 0.05, rank))
+        emit(dict(kind="kernel", kernel="bmm", batch=B, context=T, us=1e6 * t, gbps=nbytes / t / 1e9,
+                  x_of_bound=t * bandwidth / nbytes if bandwidth else None))
+        for bt, nw, ns in configs:
+            for pps in programs:
+                ld.TUNING.update(block_t=bt, num_warps=nw, num_stages=ns, programs_per_sm=pps)
+                row = dict(kind="kernel", kernel="triton", batch=B, context=T, block_t=bt, num_warps=nw, num_stages=ns,
+                           programs_per_sm=pps)
+                try:
+                    got = ld.latent_decode_triton(q.view(B, h, -1), lat, rank, 0.05)
+                    err = float((got.float() - want.view(B, h, rank).float()).abs().max())
+                    t = timeit(lambda: ld.latent_decode_triton(q.view(B, h, -1), lat, rank, 0.05))
+                    row.update(us=1e6 * t, gbps=nbytes / t / 1e9, max_abs_err=err,
+                               x_of_bound=t * bandwidth / nbytes if bandwidth else None)
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                emit(row)
+        del q, lat, want
+        torch.cuda.empty_cache()
+    # the configuration best over all shapes (sum of each shape's time over that shape's best)
+    tri = [r for r in rows_seen if r.get("kernel") == "triton" and "us" in r]
+    if not tri:
+        return None
+    best_t = {}
+    for r in tri:
+        best_t[(r["batch"], r["context"])] = min(best_t.get((r["batch"], r["context"]), 1e30), r["us"])
+    score = {}
+    for r in tri:
+        key = (r["block_t"], r["num_warps"], r["num_stages"], r["programs_per_sm"])
+        score[key] = score.get(key, 0.0) + r["us"] / best_t[(r["batch"], r["context"])]
+    n = len(best_t)
+    full = [k for k, v in score.items() if sum(1 for r in tri if (r["block_t"], r["num_warps"], r["num_stages"], r["programs_per_sm"]) == k) == n]
+    bt, nw, ns, pps = min(full, key=score.get)
+    return dict(block_t=bt, num_warps=nw, num_stages=ns, programs_per_sm=pps)
+
+
+@torch.inference_mode()
+def profile_step(model, kernel: str, context: int, batch: int, emit, top: int = 25):
+    """Where an absorbed decode step's GPU time goes: torch.profiler over 3 eager steps, kernels by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache, nxt = fill_cache(model, "absorb", context, batch, context + 16)
+    absorb.DECODE_KERNEL = kernel
+    absorb.enable_absorb(model)
+    ids = nxt.clone()
+    for _ in range(2):
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    synchronize(model.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+        synchronize(model.device)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70)
+    print(table, flush=True)
+    emit(dict(kind="profile", kernel=kernel, context=context, batch=batch, steps=3, table=table))
+    del cache
+    torch.cuda.empty_cache()
+
+
 def max_batch(model, backend: str, context: int, margin_gib: float) -> int:
     """Largest batch whose cache (context + slack tokens) fits in free memory minus a margin."""
     free, _ = torch.cuda.mem_get_info()
@@ -191,17 +284,21 @@ def report(paths: list[str]) -> str:
     for p in paths:
         rows = [json.loads(line) for line in Path(p).read_text().splitlines() if line.strip()]
         info = next(r for r in rows if r.get("kind") == "info")
-        cells = [r for r in rows if r.get("kind") != "info" and "ms" in r]
+        cells = [r for r in rows if r.get("kind") is None and "ms" in r]
+        tuning = next((r for r in rows if r.get("kind") == "tuning"), None)
         lines += [f"## {info['shape']} on {info['device']}", "",
                   f"{info['dtype']}, torch {info['torch']}, transformers {info['transformers']}, measured copy bandwidth "
                   f"{info['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s. ms per decode step (median of the steps; +g = CUDA graph); "
-                  "bound = (weights + the batch's KV cache) / bandwidth.", ""]
+                  "bound = (weights + the batch's KV cache) / bandwidth."
+                  + (f" Triton kernel: block_t {tuning['block_t']}, {tuning['num_warps']} warps, {tuning['num_stages']} stages, "
+                     f"{tuning['programs_per_sm']} programs per SM." if tuning else ""), ""]
         paths_ = [("original", "hf", False, None, "original stock (DynamicCache)"),
                   ("original", "static", False, None, "original StaticCache"),
                   ("original", "static", True, None, "original StaticCache +g"),
                   ("mla", "stock", True, None, "MLA stock (materialise) +g"),
                   ("mla", "absorb", True, "sdpa", "absorb sdpa +g"),
-                  ("mla", "absorb", True, "bmm", "absorb bmm +g")]
+                  ("mla", "absorb", True, "bmm", "absorb bmm +g"),
+                  ("mla", "absorb", True, "triton", "absorb triton +g")]
         lines += ["| context | batch | " + " | ".join(n for *_, n in paths_) + " | best absorb vs best original | absorb x of bound | original x of bound |",
                   "|---:|---:|" + "---:|" * (len(paths_) + 3)]
         pick = lambda ctx, b, backend, g, k, largest=False: next(  # noqa: E731
@@ -226,9 +323,20 @@ def report(paths: list[str]) -> str:
             m = [r for r in big if r["model_type"] == "deepseek_v3"]
             if o and m:
                 lines += ["", f"Largest-batch throughput, absorb over the original's best: **{m[-1]['tokens_per_s'] / o[-1]['tokens_per_s']:.2f}x**."]
+        kern = [r for r in rows if r.get("kind") == "kernel" and "us" in r]
+        if kern:
+            lines += ["", "One layer's decode attention (h = 32, latent 512 + 64), microseconds and x of the latent's read time:", "",
+                      "| batch | context | bmm | best Triton config (block_t, warps, stages, programs/SM) | Triton |", "|---:|---:|---:|---|---:|"]
+            for B, T in sorted({(r["batch"], r["context"]) for r in kern}):
+                bmm = next((r for r in kern if (r["batch"], r["context"], r["kernel"]) == (B, T, "bmm")), None)
+                tri = min((r for r in kern if (r["batch"], r["context"], r["kernel"]) == (B, T, "triton")),
+                          key=lambda r: r["us"], default=None)
+                cfg = f"{tri['block_t']}, {tri['num_warps']}, {tri['num_stages']}, {tri['programs_per_sm']}" if tri else "-"
+                f = lambda r: f"{r['us']:.0f} ({r['x_of_bound']:.2f}x)" if r else "-"  # noqa: E731
+                lines.append(f"| {B} | {T} | {f(bmm)} | {cfg} | {f(tri)} |")
         errors = [r for r in rows if "error" in r]
         if errors:
-            lines += ["", "Failed cells: " + "; ".join(f"{r['backend']} B={r['batch']} T={r['context']}: {r['error'][:80]}" for r in errors)]
+            lines += ["", "Failed cells: " + "; ".join(f"{r.get('backend', r.get('kernel'))} B={r['batch']} T={r['context']}: {r['error'][:80]}" for r in errors)]
         lines.append("")
     return "\n".join(lines)
 
@@ -250,6 +358,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", action="store_true", help="also the largest batch that fits at the last context")
     ap.add_argument("--margin-gib", type=float, default=6.0, help="memory left free for activations at the largest batch")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--kernel-bench", action="store_true", help="first time one layer's decode attention per kernel config")
+    ap.add_argument("--paths", default="all",
+                    help="comma list of hf,static,static+g,stock,stock+g,absorb-<kernel>[+g] (default all)")
+    ap.add_argument("--profile", default="", help="BACKEND-KERNEL:CONTEXT:BATCH[,...]: kernel-time table of 3 eager steps (torch.profiler)")
+    ap.add_argument("--tuning", default="", help="Triton kernel launch parameters, e.g. block_t=64,num_warps=8")
     a = ap.parse_args(argv)
 
     dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
@@ -269,6 +382,28 @@ def main(argv=None) -> int:
             f.write(json.dumps(row) + "\n")
 
     emit(info)
+    if a.tuning:
+        from transmla.runtime import latent_decode as ld
+
+        ld.TUNING.update({k: int(v) for k, v in (kv.split("=") for kv in a.tuning.split(","))})
+    if a.kernel_bench and dev.type == "cuda":
+        from transmla.runtime import latent_decode as ld
+
+        best = kernel_bench(dev, dtype, emit, rank=a.rank, rope=a.rope_dim, bandwidth=bw["bytes_per_s"])
+        if a.tuning:  # the kernel bench moved TUNING; the model cells use the requested one
+            ld.TUNING.update({k: int(v) for k, v in (kv.split("=") for kv in a.tuning.split(","))})
+        elif best:
+            ld.TUNING.update(best)
+        emit(dict(kind="tuning", **ld.TUNING))
+    if a.profile:
+        from transmla.runtime import latent_decode as ld
+
+        ld.TUNING.update(block_t=64, num_warps=4, num_stages=2, programs_per_sm=2)
+        model = build(a.shape, "mla", a.rope_dim, a.rank, dev, dtype)
+        for spec in a.profile.split(","):
+            name, ctx, b = spec.split(":")
+            profile_step(model, name.split("-")[1], int(ctx), int(b), emit)
+        return 0
     common = dict(steps=a.steps, warmup=a.warmup, bandwidth=bw["bytes_per_s"])
     best = {}
     with torch.inference_mode():
@@ -276,7 +411,12 @@ def main(argv=None) -> int:
             model = build(a.shape, which, a.rope_dim, a.rank, dev, dtype)
             plan = ([("hf", False, None), ("static", False, None)] + [("static", True, None)] * (dev.type == "cuda")
                     if which == "original" else
-                    [(b, g, k) for b, k in (("stock", None), ("absorb", "sdpa"), ("absorb", "bmm")) for g in graphs])
+                    [(b, g, k) for b, k in (("stock", None), ("absorb", "sdpa"), ("absorb", "bmm"), ("absorb", "triton"))
+                     for g in graphs])
+            if a.paths != "all":
+                want = set(a.paths.split(","))
+                name = lambda b, g, k: f"{b}{'-' + k if k else ''}{'+g' if g else ''}"  # noqa: E731
+                plan = [p for p in plan if name(*p) in want]
             for ctx in a.contexts:
                 for backend, graph, kernel in plan:
                     row = cell(model, backend, ctx, a.batch, graph=graph, kernel=kernel, **common)

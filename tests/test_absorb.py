@@ -167,9 +167,10 @@ def test_greedy_generate_identical(mla):
     assert torch.equal(latent, ref) and torch.equal(default, ref)
 
 
-@pytest.fixture(params=["sdpa", "bmm"])
+@pytest.fixture(params=["sdpa", "bmm", "triton"])
 def decode_kernel(request, monkeypatch):
-    """Both single-token decode attention kernels (absorb.DECODE_KERNEL)."""
+    """Every single-token decode attention kernel (absorb.DECODE_KERNEL); "triton" on a CPU runs the
+    split-K kernel's PyTorch form (the Triton kernel itself: tests/test_latent_decode.py)."""
     from transmla.runtime import absorb
 
     monkeypatch.setattr(absorb, "DECODE_KERNEL", request.param)
@@ -180,9 +181,16 @@ def test_decode_kernel_choice(monkeypatch):
     """"auto" resolves per device (the measured winner); an explicit kernel is kept; a typo is refused."""
     from transmla.runtime import absorb
 
+    from transmla.runtime import latent_decode
+
     monkeypatch.setattr(absorb, "DECODE_KERNEL", "auto")
-    assert absorb.decode_kernel(torch.device("cpu")) == "sdpa"
-    assert absorb.decode_kernel(torch.device("cuda", 0)) == "bmm"
+    assert absorb.decode_kernel(torch.device("cpu"), 425, 8192) == "sdpa"
+    assert absorb.decode_kernel(torch.device("cuda", 0), 16, 1024) == "bmm"
+    monkeypatch.setattr(latent_decode, "triton_available", lambda: True)
+    assert absorb.decode_kernel(torch.device("cuda", 0), 16, 8192) == "triton"
+    assert absorb.decode_kernel(torch.device("cuda", 0), 16, 1024) == "bmm"
+    monkeypatch.setattr(latent_decode, "triton_available", lambda: False)
+    assert absorb.decode_kernel(torch.device("cuda", 0), 16, 8192) == "bmm"
     monkeypatch.setattr(absorb, "DECODE_KERNEL", "bmm")
     assert absorb.decode_kernel(torch.device("cpu")) == "bmm"
     monkeypatch.setattr(absorb, "DECODE_KERNEL", "flash")

@@ -293,21 +293,30 @@ def _precompute(attn: nn.Module, fold: bool | None) -> None:
 
 
 # Single-token decode attention over the latent: "sdpa" (one fused call, heads folded into the query
-# axis) or "bmm" (two batched matmuls); both exact. "auto" picks per device from measurements
-# (reports/throughput/gpu): on an H200 (Llama-2-7B shape, CUDA graphs) bmm beat SDPA's one-head
-# kernel at every context (9.4 vs 12.3 ms at 1K, 14.6 vs 40.5 ms at 8K, batch 16); on CPU the fused
-# SDPA call is kept.
+# axis), "bmm" (two batched matmuls) or "triton" (transmla.runtime.latent_decode: split-K, the latent
+# read once; its PyTorch form off CUDA); all exact. "auto" picks per device and shape from measurements
+# (reports/throughput/gpu, H200, Llama-2-7B shape, CUDA graphs, batch 16): bmm beat SDPA's one-head
+# kernel at every context; the Triton kernel beats bmm once the batch's cache is large (11.5 vs 14.6 ms
+# per step at 8K, 10.6-11.0 vs 11.5 at 4K, but 10.1-10.6 vs 9.4 at 1K), and reads the latent at 1.6x
+# of its copy time at batch 425 (bmm: 3.3x). On CPU the fused SDPA call is kept.
 DECODE_KERNEL = "auto"
-DECODE_KERNELS = ("auto", "sdpa", "bmm")
+DECODE_KERNELS = ("auto", "sdpa", "bmm", "triton")
+# "auto" on CUDA: the Triton kernel from this many cached tokens in the batch (B x T), bmm below
+AUTO_TRITON_MIN_TOKENS = 32768
 
 
-def decode_kernel(device: torch.device) -> str:
-    """The single-token kernel `latent_attention` uses on `device` ("sdpa" or "bmm")."""
+def decode_kernel(device: torch.device, batch: int = 1, length: int = 0) -> str:
+    """The single-token kernel `latent_attention` uses on `device` for `batch` sequences of `length`
+    cached tokens: "sdpa", "bmm" or "triton"."""
     if DECODE_KERNEL not in DECODE_KERNELS:
         raise TransMLAError(f"Unknown absorb decode kernel {DECODE_KERNEL!r}.", f"use one of {DECODE_KERNELS}.")
     if DECODE_KERNEL != "auto":
         return DECODE_KERNEL
-    return "bmm" if device.type == "cuda" else "sdpa"
+    if device.type != "cuda":
+        return "sdpa"
+    from transmla.runtime.latent_decode import triton_available
+
+    return "triton" if batch * length >= AUTO_TRITON_MIN_TOKENS and triton_available() else "bmm"
 
 
 def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, scaling: float, rank: int) -> torch.Tensor:
@@ -336,7 +345,7 @@ def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, 
     # The value is the key itself (its first r dims are c): equal q/k/v widths keep SDPA on its fused
     # kernel on CPU (a narrower value falls back to the slow math kernel); the extra R columns of
     # output are dropped.
-    kernel = decode_kernel(query.device) if S == 1 else None
+    kernel = decode_kernel(query.device, B, T) if S == 1 else None
     if kernel == "bmm":
         # Decode as two batched matmuls over the latent: scores [B, h, T] = q [B, h, E] x latent^T, then
         # p x latent[:, :, :r]; no kernel dispatch on a one-head SDPA
@@ -346,6 +355,10 @@ def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, 
             scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
         p = torch.softmax(scores, dim=-1).to(latent.dtype)
         return torch.bmm(p, latent[..., :rank]).view(B, h, 1, rank)
+    if kernel == "triton":
+        from transmla.runtime.latent_decode import latent_decode
+
+        return latent_decode(query.view(B, h, E), latent, rank, scaling, attention_mask).view(B, h, 1, rank)
     if S == 1:
         # Decode: fold the heads into the query-length axis of a single KV head (MQA). One [h, E] x
         # [E, T] product per sequence reads the cache once; a [B, 1, 1, T] mask broadcasts over heads.
