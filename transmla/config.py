@@ -138,6 +138,9 @@ class ConvertOptions(Options):
     dtype: str = _EX["dtype"].default
     device: str = "cpu"
     latent_norm_eps: float | None = Field(_EX["latent_norm_eps"].default, gt=0)
+    # model: the whole source model in memory (float32); layers: one decoder layer at a time, read from the
+    # source's safetensors when its turn comes and written out when converted (io.lazy; same result)
+    load: Literal["model", "layers"] = "model"
 
     @field_validator("freqfold")
     @classmethod
@@ -165,6 +168,9 @@ class ConvertOptions(Options):
     def _lossless(self):
         if self.lossless and self.method != "transmla":
             raise ValueError("lossless is a TransMLA mode (drop --method mha2mla or --lossless)")
+        if self.load == "layers" and self.normalized().calibration == "two_pass":
+            raise ValueError("load=layers streams one pass over the layers; two_pass needs a second one "
+                             "(use calibration parallel or sequential, or load model)")
         return self
 
     @classmethod

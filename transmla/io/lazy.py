@@ -1,0 +1,114 @@
+"""Weights read when they are needed: one decoder layer in memory at a time (layer-streamed conversion).
+
+    ckpt = LazyCheckpoint(model_dir)            safetensors file(s) of a Hugging Face directory, memory-mapped
+    model = skeleton(config)                     the model with every parameter on the meta device (buffers real)
+    load_module(model.model.layers[i], "model.layers.{i}.", ckpt)   materialise one layer ...
+    release_module(model.model.layers[i])        ... and give its memory back
+
+A layer is read from its shard into float32 (the conversion's compute dtype) on `device`; the rest
+of the model never leaves the meta device. `tensor(name, dtype)` converts a large tensor (the
+embedding table) in row blocks, so a float32 source never has a second full-size copy in memory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from transmla.errors import TransMLAError
+
+INDEX = "model.safetensors.index.json"
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+class LazyCheckpoint:
+    """The tensors of a safetensors Hugging Face directory (one file or sharded with an index), by name."""
+
+    def __init__(self, model_dir: str | Path):
+        from safetensors import safe_open
+
+        self.dir = Path(model_dir)
+        if (self.dir / INDEX).is_file():
+            weight_map = json.loads((self.dir / INDEX).read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif (self.dir / "model.safetensors").is_file():
+            files, weight_map = ["model.safetensors"], None
+        else:
+            raise TransMLAError(f"{self.dir} has no safetensors weights (model.safetensors or {INDEX}).",
+                                "layer-streamed conversion reads local safetensors: fetch the model first "
+                                "(transmla fetch SOURCE --out DIR) or use `load: model`.")
+        self._files = {f: safe_open(str(self.dir / f), framework="pt") for f in files}
+        if weight_map is None:
+            weight_map = {k: files[0] for k in self._files[files[0]].keys()}
+        self.weight_map = weight_map
+
+    def names(self, prefix: str = "") -> list[str]:
+        return sorted(k for k in self.weight_map if k.startswith(prefix))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def tensor(self, name: str, dtype: torch.dtype | None = None, device="cpu", block_rows: int = 8192) -> torch.Tensor:
+        """One tensor in `dtype` (default: as stored) on `device`; converted in blocks of rows."""
+        f = self._files[self.weight_map[name]]
+        sl = f.get_slice(name)
+        shape = sl.get_shape()
+        stored = _ST_DTYPES.get(sl.get_dtype())
+        if dtype is None or dtype == stored or len(shape) == 0 or shape[0] <= block_rows:
+            t = f.get_tensor(name)
+            return t.to(device=device, dtype=dtype or t.dtype)
+        out = torch.empty(shape, dtype=dtype, device=device)
+        for a in range(0, shape[0], block_rows):
+            out[a : a + block_rows] = sl[a : a + block_rows]
+        return out
+
+
+def skeleton(config) -> nn.Module:
+    """The model of `config` with its parameters on the meta device (no memory) and its buffers real
+    (RoPE frequencies, Gemma's embedding scale), in eval mode."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    import transmla.models  # noqa: F401  (this package's classes, for converted sources)
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def load_module(module: nn.Module, prefix: str, ckpt: LazyCheckpoint, dtype: torch.dtype = torch.float32,
+                device="cpu", tied: dict[str, str] | None = None) -> nn.Module:
+    """Materialise every parameter of `module` from `ckpt` (names `prefix` + parameter name); `tied`:
+    parameter name -> the checkpoint name it shares (a tied lm_head has no tensor of its own)."""
+    state = {}
+    for name, _ in module.named_parameters():
+        key = (tied or {}).get(name, prefix + name)
+        if key not in ckpt:
+            raise TransMLAError(f"{key} is missing from {ckpt.dir}.", "the checkpoint does not match its config.json.")
+        state[name] = nn.Parameter(ckpt.tensor(key, dtype, device), requires_grad=False)
+    for name, p in state.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(owner) if owner else module, leaf, p)
+    return module
+
+
+def release_module(module: nn.Module) -> None:
+    """Give a materialised module's parameter memory back (they return to the meta device)."""
+    for sub in module.modules():
+        for leaf, p in list(sub.named_parameters(recurse=False)):
+            setattr(sub, leaf, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False))
+
+
+def float32_bytes(config) -> int:
+    """Bytes of the model's parameters in float32, from its config alone (a meta-device model; tied
+    weights counted once)."""
+    from transformers import AutoModelForCausalLM
+
+    import transmla.models  # noqa: F401
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()) * 4
