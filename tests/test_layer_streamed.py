@@ -122,3 +122,36 @@ def test_dry_run_refuses_what_convert_refuses(tmp_path, capsys):
     (src / "config.json").write_text(json.dumps({**LLAMA2_7B, "model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]}))
     assert main(["convert", "--model", str(src), "--out", str(tmp_path / "o"), "--dry-run"]) == 2
     assert "qwen2_moe" in capsys.readouterr().err.lower()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_layer_streamed_other_architectures(tmp_path, tiny_tokenizer, arch):
+    """QK-norm (Qwen3) and Gemma 3 (sliding + global layer types: the stream starts after reading the
+    layers before the first global one) stream layer by layer to the same export."""
+    from tests import test_architectures as ta
+
+    src = {"qwen3": ta._tiny_qwen3, "gemma3": ta._tiny_gemma3}[arch](tmp_path, tiny_tokenizer)
+    kw = dict(qk_rope_dim=8, kv_lora_rank=12, cal_nsamples=8, cal_seqlen=40, cal_batch_size=4)
+    mem, lay = tmp_path / "mem", tmp_path / "lay"
+    convert(str(src), mem, ConvertOptions(**kw), progress=False)
+    convert(str(src), lay, ConvertOptions(load="layers", **kw), progress=False)
+    a, b = _tensors(mem), _tensors(lay)
+    assert sorted(a) == sorted(b)
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst < 1e-4, worst
+    ids = torch.randint(0, 500, (2, 40), generator=torch.Generator().manual_seed(1))
+    assert (_logprobs(mem, ids) - _logprobs(lay, ids)).abs().max() < 1e-4
+
+
+def test_renamed_checkpoint_tensors_are_refused_before_work(tmp_path, tiny_tokenizer, monkeypatch):
+    """Mixtral's checkpoint stores per-expert tensors that transformers fuses on load: load=layers is
+    refused with the fix, before the calibration data is read, and no output is left."""
+    import transmla.convert as conv
+    from tests import test_architectures as ta
+
+    src = ta._tiny_mixtral(tmp_path, tiny_tokenizer)
+    monkeypatch.setattr(conv, "calibration_windows", lambda *a, **k: pytest.fail("calibration data was read"))
+    out = tmp_path / "out"
+    with pytest.raises(TransMLAError, match="--load model"):
+        convert(str(src), out, ConvertOptions(load="layers", qk_rope_dim=8, kv_lora_rank=12), progress=False)
+    assert not out.exists()

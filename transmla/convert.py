@@ -178,6 +178,7 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
     from transformers import AutoConfig, AutoTokenizer
 
     from transmla.adapters import shared_state_dict
+    from transmla.errors import TransMLAError
     from transmla.io.export import write_checkpoint_parts
     from transmla.io.lazy import LazyCheckpoint, load_module, release_module, skeleton
     from transmla.io.sources import materialize
@@ -194,12 +195,20 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
     budget = resolve_budget(spec, o)
     ckpt = LazyCheckpoint(loc)
     dtype = getattr(torch, o.dtype)
+    model = skeleton(config)
+    decoder = model.model.layers
+    # a checkpoint whose layer tensors transformers renames or fuses on load (Mixtral's per-expert
+    # weights) cannot be read tensor by tensor: refused before any work
+    missing = [n for n, _ in decoder[0].named_parameters() if f"model.layers.0.{n}" not in ckpt]
+    if missing:
+        raise TransMLAError(
+            f"load=layers reads each layer's tensors under the model's own names; {ckpt.dir} stores "
+            f"{', '.join(missing[:3])} under other names (transformers converts them when it loads the whole model).",
+            "use --load model (load: model) for this checkpoint.")
     ids = calibration_windows(tok, o, data_dir)
     trim_heap()
     data_peak = _data_peak()
     t_cal = time.perf_counter()
-    model = skeleton(config)
-    decoder = model.model.layers
 
     def load(i: int) -> None:
         load_module(decoder[i], f"model.layers.{i}.", ckpt, device=o.device)
