@@ -259,7 +259,11 @@ class FinetuneConfig(Options):
 
     @property
     def tokens_per_step(self) -> int:
-        return self.batch_size * self.grad_accum * self.seqlen
+        """Tokens of one optimizer step over every process: batch_size is per device, and a distributed
+        run (torchrun / accelerate launch: WORLD_SIZE processes) trains on WORLD_SIZE batches per step."""
+        import os
+
+        return self.batch_size * self.grad_accum * self.seqlen * int(os.environ.get("WORLD_SIZE", "1"))
 
     @property
     def max_steps(self) -> int:
