@@ -1,6 +1,7 @@
 """MLflow tracking: one run per (model, method, budget), nested under one pipeline run per model.
 
-Store: MLFLOW_TRACKING_URI (default sqlite:///<store>/mlflow.db, set in tasks._env). Runs are found
+Store: MLFLOW_TRACKING_URI (default sqlite:///<store>/mlflow.db, set in tasks._env; a tracking server
+`http://HOST:PORT` works too: runs and artifacts then live where the server keeps them). Runs are found
 by tags, so stages running in separate processes (DVC) log into the same run: the convert stage
 logs the conversion's params, the evaluate stage the Table-1 metrics. A conversion whose config
 changed replaces its run (the old one is deleted, i.e. moved to MLflow's trash).
@@ -27,7 +28,11 @@ def _client(experiment: str):
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        exp_id = client.create_experiment(experiment, artifact_location=(STORE / "mlartifacts" / experiment).as_uri())
+        # a tracking server (http[s]://) keeps the artifacts where it was told to (`mlflow server
+        # --artifacts-destination`, proxied to clients); a local store keeps them beside the pipeline's store
+        remote = os.environ["MLFLOW_TRACKING_URI"].startswith(("http://", "https://"))
+        location = None if remote else (STORE / "mlartifacts" / experiment).as_uri()
+        exp_id = client.create_experiment(experiment, artifact_location=location)
     else:
         exp_id = exp.experiment_id
     return client, exp_id

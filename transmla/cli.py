@@ -70,11 +70,17 @@ def cmd_ppl(args) -> dict:
 
 
 def cmd_convert(args) -> dict:
-    from transmla.convert import convert
+    from transmla.convert import convert, plan_conversion
+    from transmla.pipeline.plan import format_plan
 
+    if args.dry_run:
+        plan = plan_conversion(args.model, convert_options(args), cache=args.cache_dir)
+        print(format_plan(plan), file=sys.stderr)
+        return plan.to_dict()
     meta = convert(args.model, args.out, convert_options(args), cache=args.cache_dir, data_dir=args.data_dir)
     keys = ("method", "source", "qk_rope_head_dim", "kv_lora_rank", "kv_cache_ratio", "kv_cache_reduction",
-            "mean_alpha", "calibration_seconds", "compute_seconds", "seconds", "peak_rss_gib", "notes")
+            "mean_alpha", "calibration_seconds", "compute_seconds", "seconds", "peak_rss_gib",
+            "calibration_data_peak_rss_gib", "conversion_peak_rss_gib", "notes")
     return {"out": str(args.out), **{k: meta[k] for k in keys}}
 
 
@@ -90,7 +96,7 @@ def convert_options(args) -> ConvertOptions:
         balance_kv=not args.no_balance_kv, attention_aware=args.attention_aware, pca=args.pca,
         calibration=args.calibration, refit=args.refit, rorope_metric=args.rorope_metric, lossless=args.lossless,
         cal_dataset=args.cal_dataset, cal_nsamples=args.cal_nsamples, cal_seqlen=args.cal_seqlen, seed=args.seed,
-        dtype=args.dtype, device=args.device, latent_norm_eps=args.latent_norm_eps,
+        dtype=args.dtype, device=args.device, latent_norm_eps=args.latent_norm_eps, load=args.load,
     )
 
 
@@ -206,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=CO["seed"].default, help="calibration sampling seed")
     c.add_argument("--dtype", default=CO["dtype"].default, help="exported weight dtype: float32 or bfloat16 (float16 is refused)")
     c.add_argument("--device", default=CO["device"].default, help="torch device for calibration")
+    c.add_argument("--load", default=CO["load"].default, choices=["model", "layers"],
+                   help="model: the whole source in memory; layers: one decoder layer at a time from its safetensors "
+                        "(peak memory independent of depth; same result)")
+    c.add_argument("--dry-run", action="store_true",
+                   help="print the plan (shapes, KV cache, peak memory of both load modes, time estimate) from the "
+                        "config alone, without reading any weight")
     c.add_argument("--latent-norm-eps", type=float, default=None,
                    help="eps of the target runtime's kv_a_layernorm (default 1e-6, transformers' fixed value; "
                         "vLLM uses config.rms_norm_eps)")

@@ -138,6 +138,9 @@ class ConvertOptions(Options):
     dtype: str = _EX["dtype"].default
     device: str = "cpu"
     latent_norm_eps: float | None = Field(_EX["latent_norm_eps"].default, gt=0)
+    # model: the whole source model in memory (float32); layers: one decoder layer at a time, read from the
+    # source's safetensors when its turn comes and written out when converted (io.lazy; same result)
+    load: Literal["model", "layers"] = "model"
 
     @field_validator("freqfold")
     @classmethod
@@ -165,6 +168,9 @@ class ConvertOptions(Options):
     def _lossless(self):
         if self.lossless and self.method != "transmla":
             raise ValueError("lossless is a TransMLA mode (drop --method mha2mla or --lossless)")
+        if self.load == "layers" and self.normalized().calibration == "two_pass":
+            raise ValueError("load=layers streams one pass over the layers; two_pass needs a second one "
+                             "(use calibration parallel or sequential, or load model)")
         return self
 
     @classmethod
@@ -253,7 +259,11 @@ class FinetuneConfig(Options):
 
     @property
     def tokens_per_step(self) -> int:
-        return self.batch_size * self.grad_accum * self.seqlen
+        """Tokens of one optimizer step over every process: batch_size is per device, and a distributed
+        run (torchrun / accelerate launch: WORLD_SIZE processes) trains on WORLD_SIZE batches per step."""
+        import os
+
+        return self.batch_size * self.grad_accum * self.seqlen * int(os.environ.get("WORLD_SIZE", "1"))
 
     @property
     def max_steps(self) -> int:

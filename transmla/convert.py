@@ -50,22 +50,37 @@ def second_pass_layer(w, m, spec: GQASpec, rot, budget: Budget, o: ConvertOption
 def convert_layers(model, stats: CalibrationStats | None, spec: GQASpec, budget: Budget, o: ConvertOptions,
                    progress: bool = True, stream: LayerStream | None = None,
                    store_dtype: torch.dtype = torch.float64) -> tuple[list[MLALayer], list[dict]]:
-    """Every layer's MLA weights and diagnostics.
+    """Every layer's MLA weights and diagnostics (`iter_layers`, collected)."""
+    layers, diags = [], []
+    for _, layer, diag in iter_layers(model, stats, spec, budget, o, progress, stream, store_dtype):
+        layers.append(layer)
+        diags.append(diag)
+    return layers, diags
 
-    o.calibration = parallel: every step uses `stats` (the original model's moments); two_pass: the
-    rotation uses `stats`, the basis the moments of `stream` pushed through RoPE-dropped full-rank
-    layers (the authors' second pass); sequential: everything uses `stream` pushed through the
-    converted layers. o.refit needs `stream` in every mode (o.streamed says when one is needed).
-    Built layers are kept in `store_dtype` (convert() passes the export dtype: no float64 copy of
-    every layer's attention until export).
+
+def iter_layers(model, stats: CalibrationStats | None, spec: GQASpec, budget: Budget, o: ConvertOptions,
+                progress: bool = True, stream: LayerStream | None = None, store_dtype: torch.dtype = torch.float64,
+                load=None):
+    """Yield (i, MLA layer i, its diagnostics) for every layer, in order.
+
+    o.calibration = parallel: every step uses `stats` (the original model's moments), or, without
+    `stats`, the moments of `stream` pushed through the original layers (the same statistics, one
+    layer at a time); two_pass: the rotation uses `stats`, the basis the moments of `stream` pushed
+    through RoPE-dropped full-rank layers (the authors' second pass); sequential: everything uses
+    `stream` pushed through the converted layers. o.refit needs `stream` in every mode (o.streamed
+    says when one is needed). Built layers are kept in `store_dtype` (convert() passes the export
+    dtype: no float64 copy of every layer's attention until export). load(i), if given, is called
+    before layer i's weights are read (layer-streamed conversion materialises them there); layer i's
+    weights must stay until the consumer has taken the yielded layer.
     """
     n = o.normalized()
-    if o.streamed and stream is None:
+    if (o.streamed or stats is None) and stream is None:
         raise ValueError(f"calibration={n.calibration}, refit={n.refit} needs a LayerStream")
-    layers, diags = [], []
     for i in tqdm(range(spec.n_layers), desc="convert", file=sys.stderr, disable=not progress):
+        if load is not None:
+            load(i)
         w = attention_weights(model, i)
-        m_rot = stream.moments(i) if n.calibration == "sequential" else stats.moments(i)
+        m_rot = stream.moments(i) if n.calibration == "sequential" or stats is None else stats.moments(i)
         m = stream.moments(i) if n.calibration == "two_pass" else m_rot
         rot = rotation_step(w, m_rot, spec, list(budget.plan), **n.rotation_options())
         basis = basis_step(w, m, spec, rot, budget.kv_lora_rank, **n.basis_options())
@@ -83,9 +98,7 @@ def convert_layers(model, stats: CalibrationStats | None, spec: GQASpec, budget:
             stream.advance(i, *second_pass_layer(w, m, spec, rot, budget, o))
         elif stream is not None:
             stream.advance(i, None)
-        layers.append(layer.cast(store_dtype))
-        diags.append(diag)
-    return layers, diags
+        yield i, layer.cast(store_dtype), diag
 
 
 def peak_rss_gib() -> float:
@@ -112,11 +125,14 @@ def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_di
     check_source(source, cache)  # unsupported architecture: refused from its config, before any weight is read
     out = new_output_dir(out)
     info = source_info(source, cache)
+    if o.load == "layers":
+        return convert_layer_streamed(source, out, o, info, t0, cache, data_dir, progress)
     model, tok = load_model(source, dtype="float32", device=o.device, cache=cache)  # the math runs in fp32/fp64
     spec = read_spec(model.config)
     budget = resolve_budget(spec, o)
     ids = calibration_windows(tok, o, data_dir)
     trim_heap()  # tokenizing the corpus left ~0.2 GiB of free heap (SmolLM2) that calibration would fragment
+    data_peak = _data_peak()
     t_cal = time.perf_counter()
     n = o.normalized()
     stats = collect_stats(model, ids, o.cal_batch_size, progress) if n.calibration != "sequential" else None
@@ -130,5 +146,141 @@ def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_di
     config, sd = assemble(model, spec, budget, layers, o)
     write_checkpoint(out, config, sd, tok, metadata)
     return {**metadata, "calibration_seconds": round(cal_seconds, 2), "compute_seconds": round(compute_seconds, 2),
-            "seconds": round(time.perf_counter() - t0, 2),
-            "peak_rss_gib": round(peak_rss_gib(), 3)}
+            "seconds": round(time.perf_counter() - t0, 2), **_peaks(data_peak)}
+
+
+def _data_peak() -> float:
+    """Peak RSS so far (GiB), then reset: tokenizing the calibration corpus (~0.5 GiB for WikiText-2
+    train, whatever the model) is reported apart from the conversion's own peak."""
+    from transmla.runtime.memory import reset_peak_rss
+
+    peak = peak_rss_gib()
+    reset_peak_rss()
+    return peak
+
+
+def _peaks(data_peak: float) -> dict:
+    conv = peak_rss_gib()
+    return {"peak_rss_gib": round(max(data_peak, conv), 3), "calibration_data_peak_rss_gib": round(data_peak, 3),
+            "conversion_peak_rss_gib": round(conv, 3)}
+
+
+def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict, t0: float, cache=None,
+                           data_dir=None, progress=True) -> dict:
+    """`convert` with one decoder layer in memory at a time (o.load = "layers").
+
+    The model is a skeleton on the meta device (io.lazy); the calibration set's hidden states enter
+    the first layer from the embeddings, then each layer is read from the source's safetensors,
+    converted by the same steps as in memory (`iter_layers`: statistics from the stream), pushed
+    through, written as its own shard and released. Peak memory: embeddings (at the start and the
+    end) or one layer, plus the hidden states and O(D^2) statistics, whatever the depth.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    from transmla.adapters import shared_state_dict
+    from transmla.errors import TransMLAError
+    from transmla.io.export import write_checkpoint_parts
+    from transmla.io.lazy import LazyCheckpoint, load_module, release_module, skeleton
+    from transmla.io.sources import materialize
+    from transmla.pipeline.assemble import attention_state_dict, export_config
+
+    loc = Path(materialize(source, cache))
+    if not loc.is_dir():  # a hub id: its files, once, in the hub's own cache
+        from huggingface_hub import snapshot_download
+
+        loc = Path(snapshot_download(str(loc), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    config = AutoConfig.from_pretrained(loc)
+    tok = AutoTokenizer.from_pretrained(loc)
+    spec = read_spec(config)
+    budget = resolve_budget(spec, o)
+    ckpt = LazyCheckpoint(loc)
+    dtype = getattr(torch, o.dtype)
+    model = skeleton(config)
+    decoder = model.model.layers
+    # a checkpoint whose layer tensors transformers renames or fuses on load (Mixtral's per-expert
+    # weights) cannot be read tensor by tensor: refused before any work
+    missing = [n for n, _ in decoder[0].named_parameters() if f"model.layers.0.{n}" not in ckpt]
+    if missing:
+        raise TransMLAError(
+            f"load=layers reads each layer's tensors under the model's own names; {ckpt.dir} stores "
+            f"{', '.join(missing[:3])} under other names (transformers converts them when it loads the whole model).",
+            "use --load model (load: model) for this checkpoint.")
+    ids = calibration_windows(tok, o, data_dir)
+    trim_heap()
+    data_peak = _data_peak()
+    t_cal = time.perf_counter()
+
+    def load(i: int) -> None:
+        load_module(decoder[i], f"model.layers.{i}.", ckpt, device=o.device)
+
+    # the stream starts at the first layer's input; a model with several layer types (Gemma 3) runs
+    # up to the first layer of each type to capture its mask and RoPE, so those layers are read too
+    types = list(getattr(config, "layer_types", None) or ["full_attention"])
+    before = max(types.index(t) for t in dict.fromkeys(types))
+    load_module(model.model.embed_tokens, "model.embed_tokens.", ckpt, device=o.device)
+    for i in range(before):
+        load(i)
+    stream = LayerStream(model, ids, o.cal_batch_size, progress)
+    release_module(model.model.embed_tokens)
+    for i in range(before):
+        release_module(decoder[i])
+    trim_heap()
+
+    diags, first = [], []
+
+    def parts():
+        for i, layer, diag in iter_layers(model, None, spec, budget, o, progress, stream, dtype, load=load):
+            prefix = f"model.layers.{i}."
+            part = {k: v.to(dtype) for k, v in shared_state_dict(model).items() if k.startswith(prefix)}
+            part.update(attention_state_dict(model, spec, i, layer, dtype))
+            diags.append(diag)
+            first[:] = first or [layer]
+            release_module(decoder[i])
+            trim_heap()
+            yield part
+        stream.h.clear()  # the hidden states are done with: the embeddings come back for the last part
+        trim_heap()
+        # the same names as in memory (shared_state_dict): read from the source, a tied lm_head written
+        # under both names (one tensor in memory), a buffer the source does not store from the skeleton
+        glob = {}
+        for k, v in shared_state_dict(model).items():
+            if k.startswith("model.layers."):
+                continue
+            if k in ckpt:
+                glob[k] = ckpt.tensor(k, dtype)
+            elif k == "lm_head.weight":
+                glob[k] = glob.get("model.embed_tokens.weight", None)
+                if glob[k] is None:
+                    glob[k] = ckpt.tensor("model.embed_tokens.weight", dtype)
+            else:
+                glob[k] = v.to(dtype)
+        yield glob
+
+    def finish():
+        metadata = conversion_metadata(info, spec, budget, o, diags, ids.numel())
+        return export_config(spec, budget, first[0], o), tok, metadata
+
+    write_checkpoint_parts(out, parts(), spec.n_layers + 1, finish)
+    compute_seconds = time.perf_counter() - t_cal
+    metadata = conversion_metadata(info, spec, budget, o, diags, ids.numel())
+    return {**metadata, "calibration_seconds": None, "compute_seconds": round(compute_seconds, 2),
+            "seconds": round(time.perf_counter() - t0, 2), **_peaks(data_peak)}
+
+
+def plan_conversion(source: str, o: ConvertOptions, cache=None, rates: dict | None = None):
+    """The conversion's plan (pipeline.plan) from the source's config alone: no weight is read.
+    rates: matmul / float64-eigh FLOP/s (default: measured on o.device in about a second)."""
+    from transformers import AutoConfig
+
+    from transmla.errors import TransMLAError
+    from transmla.io.sources import check_source
+    from transmla.pipeline.plan import conversion_plan, measure_rates
+
+    cfg = dict(check_source(source, cache))  # refused from the config, as convert() would
+    if not cfg:
+        raise TransMLAError(f"No config.json found for {source!r}.", "a dry run reads the source's config.json only: "
+                                                                       "pass a directory or hub id that has one.")
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    spec = read_spec(config)
+    budget = resolve_budget(spec, o)
+    return conversion_plan(spec, budget, o, rates or measure_rates(o.device))

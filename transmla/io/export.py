@@ -191,15 +191,50 @@ def write_sharded(out: Path, state_dict: dict[str, torch.Tensor], max_shard_size
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
+def _write_record(tmp: Path, config, tokenizer, metadata: dict) -> None:
+    config.transmla = {k: v for k, v in metadata.items() if k != "layers"}  # per-layer details: report file
+    config.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    (tmp / "transmla_report.json").write_text(json.dumps(metadata, indent=2, default=str))
+
+
 def write_checkpoint(out: str | Path, config, state_dict: dict[str, torch.Tensor], tokenizer, metadata: dict) -> Path:
     """Write config + safetensors + tokenizer + metadata atomically to `out`."""
     out = new_output_dir(out)
     check_state_dict(config, state_dict)
     with atomic_dir(out) as tmp:
-        config.transmla = {k: v for k, v in metadata.items() if k != "layers"}  # per-layer details: report file
-        config.save_pretrained(tmp)
         write_sharded(tmp, state_dict)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        (tmp / "transmla_report.json").write_text(json.dumps(metadata, indent=2, default=str))
+        _write_record(tmp, config, tokenizer, metadata)
+    return out
+
+
+def write_checkpoint_parts(out: str | Path, parts, n_parts: int, finish) -> Path:
+    """Write a checkpoint whose tensors arrive in parts, one shard each, atomically to `out`.
+
+    parts: an iterator of {name: tensor} dicts (layer-streamed conversion: one decoder layer per part,
+    computed while the previous one is already on disk); n_parts: how many it yields; finish(): called
+    once they are written, returns (config, tokenizer, metadata). Written as HF's sharded layout
+    (model-0000k-of-0000N.safetensors + index), checked against the config's class like `write_checkpoint`.
+    """
+    out = new_output_dir(out)
+    with atomic_dir(out) as tmp:
+        weight_map, shapes, total = {}, {}, 0
+        for k, part in enumerate(parts):
+            if k >= n_parts:
+                raise RuntimeError(f"more than the {n_parts} announced parts")
+            name = f"model-{k + 1:05d}-of-{n_parts:05d}.safetensors"
+            write_safetensors(tmp / name, part)
+            for key, t in part.items():
+                weight_map[key] = name
+                shapes[key] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                total += t.numel() * t.element_size()
+            del part
+        if len(set(weight_map.values())) != n_parts:
+            raise RuntimeError(f"{len(set(weight_map.values()))} parts written, {n_parts} announced")
+        config, tokenizer, metadata = finish()
+        check_state_dict(config, shapes)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+        _write_record(tmp, config, tokenizer, metadata)
     return out

@@ -13,17 +13,30 @@ from transmla.method.rope import is_standard
 from transmla.pipeline.budget import Budget
 
 
+def export_config(spec: GQASpec, budget: Budget, first: MLALayer, o: ConvertOptions):
+    """The converted model's config (the MLA shapes; biases and q-LoRA as the built layers have them)."""
+    has_bias = first.kv_a_bias is not None
+    q_lora = first.q_a_proj.shape[0] if first.q_a_proj is not None else None
+    return deepseek_config(spec, list(budget.plan), budget.kv_lora_rank, q_lora, has_bias, o.dtype)
+
+
+def attention_state_dict(model, spec: GQASpec, i: int, layer: MLALayer, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Layer i's MLA attention tensors under the exported names (Qwen3: the query re-based on the
+    normalised raw query, raw keys for the key norm, if not done yet; needs layer i's original weights)."""
+    if spec.qk_norm:
+        layer = rebase_query(layer, attention_weights(model, i), spec.h, spec.d)
+    return layer.state_dict(f"model.layers.{i}.self_attn.", dtype)
+
+
 def assemble(model, spec: GQASpec, budget: Budget, layers: list[MLALayer], o: ConvertOptions):
     """(DeepseekV3 config, state dict) of the converted model: the MLA layers + every other tensor of `model`."""
     dtype = getattr(torch, o.dtype)
     if spec.qk_norm:  # Qwen3: queries re-based on the normalised raw query, raw keys for the key norm
         layers = [rebase_query(layer, attention_weights(model, i), spec.h, spec.d) for i, layer in enumerate(layers)]
-    has_bias = layers[0].kv_a_bias is not None
-    q_lora = layers[0].q_a_proj.shape[0] if layers[0].q_a_proj is not None else None
-    config = deepseek_config(spec, list(budget.plan), budget.kv_lora_rank, q_lora, has_bias, o.dtype)
+    config = export_config(spec, budget, layers[0], o)
     sd = {k: v.to(dtype) for k, v in shared_state_dict(model).items()}
     for i, layer in enumerate(layers):
-        sd.update(layer.state_dict(f"model.layers.{i}.self_attn.", dtype))
+        sd.update(attention_state_dict(model, spec, i, layer, dtype))
     return config, sd
 
 

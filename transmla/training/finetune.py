@@ -328,8 +328,19 @@ def _trainer_class():
             self._parts: dict[str, list[float]] = {}
 
         def _losses(self, model, input_ids, objective):
-            with self.match or contextlib.nullcontext():
-                hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
+            # The forward goes through `model` as Trainer hands it (DistributedDataParallel under
+            # torchrun / accelerate launch: its forward prepares the gradient all-reduce); the final
+            # hidden states are taken at the last norm and the loss is chunked over the vocabulary with
+            # the same lm_head parameter, so only the last position's logits are computed there.
+            inner = self.accelerator.unwrap_model(model)
+            captured = []
+            hook = inner.model.norm.register_forward_hook(lambda _m, _a, out: captured.append(out))
+            try:
+                with self.match or contextlib.nullcontext():
+                    model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+            finally:
+                hook.remove()
+            hidden, model = captured[-1], inner
             t_h = t_w = None
             if objective != "lm":
                 with torch.no_grad():
@@ -509,11 +520,20 @@ def finetune_on_corpora(model, tokenizer, corpora: dict[str, list[str]], cfg: Fi
     train, val, data = pack_corpus(tokenizer, corpora, cfg.seqlen, cfg.val_tokens, cfg.seed, cfg.max_tokens)
     record = finetune(model, train, val, cfg, str(work_dir), teacher=teacher)
     record["data"] = data
+    if not is_main_process():  # several processes (DDP): every one holds the same weights, one writes them
+        return record
     if Path(out).exists():  # a run that died between writing the model and cleaning up
         shutil.rmtree(out)
     save_finetuned(model, tokenizer, out, record)
     shutil.rmtree(work_dir, ignore_errors=True)
     return record
+
+
+def is_main_process() -> bool:
+    """Rank 0 of a distributed run (torchrun / accelerate launch), or a single process."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _step_of(checkpoint: str) -> int:

@@ -1,0 +1,133 @@
+"""Weights read when they are needed: one decoder layer in memory at a time (layer-streamed conversion).
+
+    ckpt = LazyCheckpoint(model_dir)            safetensors file(s) of a Hugging Face directory, memory-mapped
+    model = skeleton(config)                     the model with every parameter on the meta device (buffers real)
+    load_module(model.model.layers[i], "model.layers.{i}.", ckpt)   materialise one layer ...
+    release_module(model.model.layers[i])        ... and give its memory back
+
+A layer is read from its shard into float32 (the conversion's compute dtype) on `device`; the rest
+of the model never leaves the meta device. `tensor(name, dtype)` converts a large tensor (the
+embedding table) in row blocks, so a float32 source never has a second full-size copy in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from transmla.errors import TransMLAError
+
+INDEX = "model.safetensors.index.json"
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class LazyCheckpoint:
+    """The tensors of a safetensors Hugging Face directory (one file or sharded with an index), by name.
+
+    Read with plain file reads, not a memory map: a mapped file's pages count in the process's RSS as
+    they are touched, so reading every layer through a map ends with the whole checkpoint resident
+    (measured: Qwen2.5-0.5B layer-streamed peaked at 2.9 GiB, 2.0 GB of it the mapped file).
+    """
+
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        if (self.dir / INDEX).is_file():
+            files = sorted(set(json.loads((self.dir / INDEX).read_text())["weight_map"].values()))
+        elif (self.dir / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            raise TransMLAError(f"{self.dir} has no safetensors weights (model.safetensors or {INDEX}).",
+                                "layer-streamed conversion reads local safetensors: fetch the model first "
+                                "(transmla fetch-model SOURCE --out DIR) or use `load: model`.")
+        self.entries: dict[str, tuple[Path, int, str, list[int]]] = {}  # name -> (file, data offset, dtype, shape)
+        for f in files:
+            path = self.dir / f
+            with open(path, "rb") as fh:
+                n = struct.unpack("<Q", fh.read(8))[0]
+                header = json.loads(fh.read(n))
+            for name, e in header.items():
+                if name != "__metadata__":
+                    self.entries[name] = (path, 8 + n + e["data_offsets"][0], e["dtype"], e["shape"])
+        self.weight_map = {k: v[0].name for k, v in self.entries.items()}
+
+    def names(self, prefix: str = "") -> list[str]:
+        return sorted(k for k in self.entries if k.startswith(prefix))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def tensor(self, name: str, dtype: torch.dtype | None = None, device="cpu", block_rows: int = 8192) -> torch.Tensor:
+        """One tensor in `dtype` (default: as stored) on `device`; a conversion goes in blocks of rows."""
+        path, offset, code, shape = self.entries[name]
+        stored = _ST_DTYPES[code]
+        dtype = dtype or stored
+        rows = shape[0] if shape else 1
+        row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
+        out = torch.empty(shape, dtype=dtype)
+        step = rows if dtype == stored else max(1, block_rows)
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            flat = out.view(-1) if shape else out.view(1)
+            for a in range(0, rows, step):
+                k = min(step, rows - a) * row_numel
+                buf = flat[a * row_numel : a * row_numel + k] if dtype == stored else torch.empty(k, dtype=stored)
+                view = buf.view(torch.uint8).numpy()
+                if fh.readinto(view) != view.nbytes:
+                    raise TransMLAError(f"{path} ends inside {name}.", "the checkpoint file is truncated: fetch it again.")
+                if dtype != stored:
+                    flat[a * row_numel : a * row_numel + k] = buf
+        return out.to(device)
+
+
+def skeleton(config) -> nn.Module:
+    """The model of `config` with its parameters on the meta device (no memory) and its buffers real
+    (RoPE frequencies, Gemma's embedding scale), in eval mode."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    import transmla.models  # noqa: F401  (this package's classes, for converted sources)
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def load_module(module: nn.Module, prefix: str, ckpt: LazyCheckpoint, dtype: torch.dtype = torch.float32,
+                device="cpu", tied: dict[str, str] | None = None) -> nn.Module:
+    """Materialise every parameter of `module` from `ckpt` (names `prefix` + parameter name); `tied`:
+    parameter name -> the checkpoint name it shares (a tied lm_head has no tensor of its own)."""
+    state = {}
+    for name, _ in module.named_parameters():
+        key = (tied or {}).get(name, prefix + name)
+        if key not in ckpt:
+            raise TransMLAError(f"{key} is missing from {ckpt.dir}.", "the checkpoint does not match its config.json.")
+        state[name] = nn.Parameter(ckpt.tensor(key, dtype, device), requires_grad=False)
+    for name, p in state.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(owner) if owner else module, leaf, p)
+    return module
+
+
+def release_module(module: nn.Module) -> None:
+    """Give a materialised module's parameter memory back (they return to the meta device)."""
+    for sub in module.modules():
+        for leaf, p in list(sub.named_parameters(recurse=False)):
+            setattr(sub, leaf, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False))
+
+
+def float32_bytes(config) -> int:
+    """Bytes of the model's parameters in float32, from its config alone (a meta-device model; tied
+    weights counted once)."""
+    from transformers import AutoModelForCausalLM
+
+    import transmla.models  # noqa: F401
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()) * 4
