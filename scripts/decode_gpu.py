@@ -97,9 +97,12 @@ def fill_cache(model, backend: str, context: int, batch: int, total: int):
     return cache, nxt
 
 
-def time_steps(model, backend: str, cache, nxt, context: int, *, graph: bool, steps: int, warmup: int):
-    """Median/min/max seconds of one decode step (eager: real successive steps; graph: replays)."""
+def time_steps(model, backend: str, cache, nxt, context: int, *, graph: bool, steps: int, warmup: int, compiled=None):
+    """Median/min/max seconds of one decode step (eager: real successive steps; graph: replays).
+    compiled: a torch.compile'd model to run instead (graph mode only): its warm-up steps write the
+    same cache slot, so it compiles for one cache length, then the compiled step is captured."""
     dev = model.device
+    fwd = model if compiled is None else compiled
     B = nxt.shape[0]
     ids = nxt.clone()
     if backend == "static" or graph:  # a fixed slot: StaticCache needs its position as a tensor
@@ -109,7 +112,12 @@ def time_steps(model, backend: str, cache, nxt, context: int, *, graph: bool, st
         kw = {}
 
     def step():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, **kw)
+        out = fwd(input_ids=ids, past_key_values=cache, use_cache=True, **kw)
+        if compiled is not None:  # back to `context` cached tokens: the next call sees the same shapes
+            for layer in cache.layers:
+                if isinstance(layer, absorb.LatentLayer):  # a StaticCache writes by cache_position
+                    layer.length = context
+                    layer._sync_views()
         return out.logits[:, -1:].argmax(-1)
 
     times = []
@@ -143,10 +151,11 @@ def time_steps(model, backend: str, cache, nxt, context: int, *, graph: bool, st
     return times[len(times) // 2], times[0], times[-1]
 
 
-def cell(model, backend, context, batch, *, graph, kernel, steps, warmup, bandwidth, extra=None):
-    """One measured cell as a flat dict (error recorded instead of raised)."""
+def cell(model, backend, context, batch, *, graph, kernel, steps, warmup, bandwidth, extra=None, compile_=False):
+    """One measured cell as a flat dict (error recorded instead of raised). compile_: the step runs
+    through torch.compile (absorb: the Triton kernel is the opaque custom op transmla::latent_decode)."""
     row = dict(backend=backend, graph=graph, kernel=kernel, context=context, batch=batch, model_type=model.config.model_type,
-               **(extra or {}))
+               **({"compiled": True} if compile_ else {}), **(extra or {}))
     cache = None
     try:
         total = context + warmup + steps + 8
@@ -156,7 +165,15 @@ def cell(model, backend, context, batch, *, graph, kernel, steps, warmup, bandwi
             absorb.enable_absorb(model)
         elif throughput.is_mla(model.config):
             absorb.disable_absorb(model)
-        med, lo, hi = time_steps(model, backend, cache, nxt, context, graph=graph, steps=steps, warmup=warmup)
+        compiled = None
+        if compile_:
+            torch._dynamo.reset()
+            t0 = time.perf_counter()
+            compiled = torch.compile(model, dynamic=False)
+        med, lo, hi = time_steps(model, backend, cache, nxt, context, graph=graph, steps=steps, warmup=warmup,
+                                 compiled=compiled)
+        if compile_:
+            row["compile_and_time_s"] = round(time.perf_counter() - t0, 1)
         roof = throughput.step_bytes(model, "absorb" if backend == "absorb" else ("static" if backend == "static" else "hf"),
                                      context, batch)
         row.update(ms=1e3 * med, ms_min=1e3 * lo, ms_max=1e3 * hi, tokens_per_s=batch / med, **roof)
@@ -176,74 +193,99 @@ def cell(model, backend, context, batch, *, graph, kernel, steps, warmup, bandwi
     return row
 
 
-def kernel_bench(dev, dtype, emit, h=32, rank=512, rope=64, shapes=((16, 1024), (16, 8192), (423, 8192)),
-                 configs=((16, 4, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 8, 3), (128, 8, 2)),
-                 programs=(1, 2, 4), bandwidth=None):
-    rows_seen = []
-    _emit = emit
+def graph_time(fn, dev, n: int = 50) -> float:
+    """Seconds per call of `fn` with no launch overhead: one call captured as a CUDA graph, replayed n
+    times between two synchronisations (eager timing of a ~100 us kernel measures Python, not the GPU)."""
+    fn()
+    synchronize(dev)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    synchronize(dev)
+    t = time.perf_counter()
+    for _ in range(n):
+        g.replay()
+    synchronize(dev)
+    dt = (time.perf_counter() - t) / n
+    del g
+    return dt
 
-    def emit(row):  # noqa: F811 - keep what was measured to pick the configuration
-        rows_seen.append(row)
-        _emit(row)
 
-    """One layer's decode attention over the latent: the bmm kernel against the Triton split-K kernel per
-    launch configuration (block_t, num_warps, num_stages) and programs per SM; achieved bandwidth."""
+def kernel_bench(dev, dtype, emit, h=32, rank=512, rope=64, shapes=((16, 1024), (16, 8192), (425, 8192)),
+                 configs=((32, 4, 2), (64, 4, 2), (64, 8, 2), (64, 4, 3)), splits_sweep=True, bandwidth=None):
+    """One layer's decode attention over the latent, graph-timed: bmm against the Triton split-K kernel
+    per launch configuration (block_t, num_warps, num_stages) and product form (swap), the chunks per
+    sequence chosen by `choose_splits`; then, for the TUNING configuration, every product form at a sweep
+    of chunk counts (is the wave model's choice the fastest?). Returns the configuration best over all
+    shapes (the sum of each shape's time over that shape's best)."""
     from transmla.runtime import latent_decode as ld
 
-    def timeit(fn, n=20):
-        fn()
-        synchronize(dev)
-        ts = []
-        for _ in range(n):
-            synchronize(dev)
-            t = time.perf_counter()
-            fn()
-            synchronize(dev)
-            ts.append(time.perf_counter() - t)
-        ts.sort()
-        return ts[len(ts) // 2]
-
+    rows_seen = []
+    base = dict(ld.TUNING)
     for B, T in shapes:
-        q = torch.randn(B, h, 1, rank + rope, device=dev, dtype=dtype)
+        q = torch.randn(B, h, rank + rope, device=dev, dtype=dtype)
         lat = torch.randn(B, T + 64, rank + rope, device=dev, dtype=dtype)[:, :T]
         nbytes = lat.numel() * lat.element_size()
-        ref = absorb.latent_attention  # kernel chosen by absorb.DECODE_KERNEL
         absorb.DECODE_KERNEL = "bmm"
-        want = ref(q, lat, None, 0.05, rank)
-        t = timeit(lambda: ref(q, lat, None, 0.05, rank))
+        want = absorb.latent_attention(q.view(B, h, 1, -1), lat, None, 0.05, rank).view(B, h, rank)
+        t = graph_time(lambda: absorb.latent_attention(q.view(B, h, 1, -1), lat, None, 0.05, rank), dev)
         emit(dict(kind="kernel", kernel="bmm", batch=B, context=T, us=1e6 * t, gbps=nbytes / t / 1e9,
                   x_of_bound=t * bandwidth / nbytes if bandwidth else None))
+
+        def run(row, **kw):
+            try:
+                got = ld.latent_decode_triton(q, lat, rank, 0.05, **kw)
+                err = float((got.float() - want.float()).abs().max())
+                t = graph_time(lambda: ld.latent_decode_triton(q, lat, rank, 0.05, **kw), dev)
+                row.update(us=1e6 * t, gbps=nbytes / t / 1e9, max_abs_err=err,
+                           x_of_bound=t * bandwidth / nbytes if bandwidth else None)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            emit(row)
+            return row
+
         for bt, nw, ns in configs:
-            for pps in programs:
-                ld.TUNING.update(block_t=bt, num_warps=nw, num_stages=ns, programs_per_sm=pps)
-                row = dict(kind="kernel", kernel="triton", batch=B, context=T, block_t=bt, num_warps=nw, num_stages=ns,
-                           programs_per_sm=pps)
+            for swap in (False, True):
+                ld.TUNING.update(block_t=bt, num_warps=nw, num_stages=ns, swap=swap)
+                key = (rank, rope, h, bt, nw, ns, swap, False)
                 try:
-                    got = ld.latent_decode_triton(q.view(B, h, -1), lat, rank, 0.05)
-                    err = float((got.float() - want.view(B, h, rank).float()).abs().max())
-                    t = timeit(lambda: ld.latent_decode_triton(q.view(B, h, -1), lat, rank, 0.05))
-                    row.update(us=1e6 * t, gbps=nbytes / t / 1e9, max_abs_err=err,
-                               x_of_bound=t * bandwidth / nbytes if bandwidth else None)
-                except Exception as e:  # noqa: BLE001
-                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                emit(row)
+                    ld.latent_decode_triton(q, lat, rank, 0.05)  # compiles; the occupancy is read after
+                except Exception as e:  # noqa: BLE001 - e.g. a configuration out of shared memory
+                    emit(dict(kind="kernel", kernel="triton", batch=B, context=T, block_t=bt, num_warps=nw, num_stages=ns,
+                              swap=swap, error=f"{type(e).__name__}: {str(e)[:200]}"))
+                    continue
+                res = ld._resident(q.device, key)
+                rows_seen.append(run(dict(kind="kernel", kernel="triton", batch=B, context=T, block_t=bt, num_warps=nw,
+                                          num_stages=ns, swap=swap, resident=res,
+                                          splits=ld.choose_splits(B, T, bt, res))))
+        ld.TUNING.update(base)
+        if splits_sweep:
+            bt = base["block_t"]
+            tiles = -(-T // bt)
+            for swap in (False, True):
+                key = (rank, rope, h, bt, base["num_warps"], base["num_stages"], swap, False)
+                chosen = ld.choose_splits(B, T, bt, ld._resident(q.device, key))
+                for S in sorted({1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64, chosen} & set(range(1, tiles + 1))):
+                    if B * S > 64 * 1024:
+                        continue
+                    run(dict(kind="splits", batch=B, context=T, swap=swap, splits=S, chosen=S == chosen), num_splits=S, swap=swap)
         del q, lat, want
         torch.cuda.empty_cache()
-    # the configuration best over all shapes (sum of each shape's time over that shape's best)
-    tri = [r for r in rows_seen if r.get("kernel") == "triton" and "us" in r]
+    tri = [r for r in rows_seen if "us" in r]
     if not tri:
         return None
     best_t = {}
     for r in tri:
         best_t[(r["batch"], r["context"])] = min(best_t.get((r["batch"], r["context"]), 1e30), r["us"])
-    score = {}
+    score, count = {}, {}
     for r in tri:
-        key = (r["block_t"], r["num_warps"], r["num_stages"], r["programs_per_sm"])
-        score[key] = score.get(key, 0.0) + r["us"] / best_t[(r["batch"], r["context"])]
-    n = len(best_t)
-    full = [k for k, v in score.items() if sum(1 for r in tri if (r["block_t"], r["num_warps"], r["num_stages"], r["programs_per_sm"]) == k) == n]
-    bt, nw, ns, pps = min(full, key=score.get)
-    return dict(block_t=bt, num_warps=nw, num_stages=ns, programs_per_sm=pps)
+        k = (r["block_t"], r["num_warps"], r["num_stages"])
+        score[k] = score.get(k, 0.0) + r["us"] / best_t[(r["batch"], r["context"])]
+        count[k] = count.get(k, 0) + 1
+    full = [k for k in score if count[k] == max(count.values())]
+    bt, nw, ns = min(full, key=score.get)
+    return dict(block_t=bt, num_warps=nw, num_stages=ns)
 
 
 @torch.inference_mode()
@@ -277,6 +319,15 @@ def max_batch(model, backend: str, context: int, margin_gib: float) -> int:
     return max(1, int((free - margin_gib * 2**30) // per_seq))
 
 
+def parse_tuning(text: str) -> dict:
+    """"block_t=64,num_warps=8,swap=1" -> TUNING entries (swap: 0 / 1 / none = by batch)."""
+    out = {}
+    for kv in text.split(","):
+        k, v = kv.split("=")
+        out[k] = None if v.lower() == "none" else (bool(int(v)) if k == "swap" else int(v))
+    return out
+
+
 def report(paths: list[str]) -> str:
     """Markdown tables from JSON-lines results: per shape, ms per step of every path, the speedup of
     absorb's best over the original's best, absorb's multiple of its bandwidth bound, largest batches."""
@@ -291,23 +342,27 @@ def report(paths: list[str]) -> str:
                   f"{info['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s. ms per decode step (median of the steps; +g = CUDA graph); "
                   "bound = (weights + the batch's KV cache) / bandwidth."
                   + (f" Triton kernel: block_t {tuning['block_t']}, {tuning['num_warps']} warps, {tuning['num_stages']} stages, "
-                     f"{tuning['programs_per_sm']} programs per SM." if tuning else ""), ""]
-        paths_ = [("original", "hf", False, None, "original stock (DynamicCache)"),
-                  ("original", "static", False, None, "original StaticCache"),
-                  ("original", "static", True, None, "original StaticCache +g"),
-                  ("mla", "stock", True, None, "MLA stock (materialise) +g"),
-                  ("mla", "absorb", True, "sdpa", "absorb sdpa +g"),
-                  ("mla", "absorb", True, "bmm", "absorb bmm +g"),
-                  ("mla", "absorb", True, "triton", "absorb triton +g")]
+                     f"product form {'by batch' if tuning.get('swap') is None else ('transposed' if tuning['swap'] else 'heads-major')}."
+                     if tuning else "") + " +c = the step torch.compile'd (then captured).", ""]
+        paths_ = [("original", "hf", False, None, False, "original stock (DynamicCache)"),
+                  ("original", "static", False, None, False, "original StaticCache"),
+                  ("original", "static", True, None, False, "original StaticCache +g"),
+                  ("original", "static", True, None, True, "original StaticCache +g+c"),
+                  ("mla", "stock", True, None, False, "MLA stock (materialise) +g"),
+                  ("mla", "absorb", True, "sdpa", False, "absorb sdpa +g"),
+                  ("mla", "absorb", True, "bmm", False, "absorb bmm +g"),
+                  ("mla", "absorb", True, "triton", False, "absorb triton +g"),
+                  ("mla", "absorb", True, "triton", True, "absorb triton +g+c")]
+        n_orig = 4
         lines += ["| context | batch | " + " | ".join(n for *_, n in paths_) + " | best absorb vs best original | absorb x of bound | original x of bound |",
                   "|---:|---:|" + "---:|" * (len(paths_) + 3)]
-        pick = lambda ctx, b, backend, g, k, largest=False: next(  # noqa: E731
-            (r for r in cells if (r["context"], r["batch"], r["backend"], r["graph"], r["kernel"]) == (ctx, b, backend, g, k)
-             and bool(r.get("largest_batch")) == largest), None)
+        pick = lambda ctx, b, backend, g, k, c, largest=False: next(  # noqa: E731
+            (r for r in cells if (r["context"], r["batch"], r["backend"], r["graph"], r["kernel"], bool(r.get("compiled")))
+             == (ctx, b, backend, g, k, c) and bool(r.get("largest_batch")) == largest), None)
         for ctx, b in sorted({(r["context"], r["batch"]) for r in cells if not r.get("largest_batch")}):
-            got = [pick(ctx, b, be, g, k) for _, be, g, k, _ in paths_]
-            orig = min((r for r in got[:3] if r), key=lambda r: r["ms"], default=None)
-            ab = min((r for r in got[4:] if r), key=lambda r: r["ms"], default=None)
+            got = [pick(ctx, b, be, g, k, c) for _, be, g, k, c, _ in paths_]
+            orig = min((r for r in got[:n_orig] if r), key=lambda r: r["ms"], default=None)
+            ab = min((r for r in got[n_orig + 1:] if r), key=lambda r: r["ms"], default=None)
             fmt = [f"{r['ms']:.2f}" if r else "-" for r in got]
             sp = f"{orig['ms'] / ab['ms']:.2f}x" if orig and ab else "-"
             lines.append(f"| {ctx} | {b} | " + " | ".join(fmt) + f" | {sp} | {ab['x_of_bound']:.2f} ({ab['bound_ms']:.2f} ms) | "
@@ -317,7 +372,8 @@ def report(paths: list[str]) -> str:
             lines += ["", "Largest batch that fits at the last context (memory left: the script's margin):", "",
                       "| path | context | batch | ms per step | tokens/s | x of bound | peak GiB |", "|---|---:|---:|---:|---:|---:|---:|"]
             for r in big:
-                name = f"{'original ' + r['backend'] if r['model_type'] != 'deepseek_v3' else 'absorb ' + str(r['kernel'])}{' +g' if r['graph'] else ''}"
+                name = (f"{'original ' + r['backend'] if r['model_type'] != 'deepseek_v3' else 'absorb ' + str(r['kernel'])}"
+                        f"{' +g' if r['graph'] else ''}{'+c' if r.get('compiled') else ''}")
                 lines.append(f"| {name} | {r['context']} | {r['batch']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {r['x_of_bound']:.2f} | {r.get('peak_gib', 0):.1f} |")
             o = [r for r in big if r["model_type"] != "deepseek_v3"]
             m = [r for r in big if r["model_type"] == "deepseek_v3"]
@@ -325,15 +381,28 @@ def report(paths: list[str]) -> str:
                 lines += ["", f"Largest-batch throughput, absorb over the original's best: **{m[-1]['tokens_per_s'] / o[-1]['tokens_per_s']:.2f}x**."]
         kern = [r for r in rows if r.get("kind") == "kernel" and "us" in r]
         if kern:
-            lines += ["", "One layer's decode attention (h = 32, latent 512 + 64), microseconds and x of the latent's read time:", "",
-                      "| batch | context | bmm | best Triton config (block_t, warps, stages, programs/SM) | Triton |", "|---:|---:|---:|---|---:|"]
+            lines += ["", "One layer's decode attention (h = 32, latent 512 + 64), graph-timed microseconds and x of the latent's "
+                      "read time:", "",
+                      "| batch | context | bmm | best Triton config (block_t, warps, stages, transposed, chunks) | Triton |",
+                      "|---:|---:|---:|---|---:|"]
             for B, T in sorted({(r["batch"], r["context"]) for r in kern}):
                 bmm = next((r for r in kern if (r["batch"], r["context"], r["kernel"]) == (B, T, "bmm")), None)
                 tri = min((r for r in kern if (r["batch"], r["context"], r["kernel"]) == (B, T, "triton")),
                           key=lambda r: r["us"], default=None)
-                cfg = f"{tri['block_t']}, {tri['num_warps']}, {tri['num_stages']}, {tri['programs_per_sm']}" if tri else "-"
+                cfg = (f"{tri['block_t']}, {tri['num_warps']}, {tri['num_stages']}, {tri.get('swap')}, {tri.get('splits')}"
+                       if tri else "-")
                 f = lambda r: f"{r['us']:.0f} ({r['x_of_bound']:.2f}x)" if r else "-"  # noqa: E731
                 lines.append(f"| {B} | {T} | {f(bmm)} | {cfg} | {f(tri)} |")
+        sweep = [r for r in rows if r.get("kind") == "splits" and "us" in r]
+        if sweep:
+            lines += ["", "Chunks per sequence (TUNING configuration): the wave model's choice against the fastest of the sweep:", "",
+                      "| batch | context | transposed | chosen chunks | us | fastest chunks | us |", "|---:|---:|---|---:|---:|---:|---:|"]
+            for B, T, sw in sorted({(r["batch"], r["context"], r["swap"]) for r in sweep}):
+                rs = [r for r in sweep if (r["batch"], r["context"], r["swap"]) == (B, T, sw)]
+                ch = next((r for r in rs if r["chosen"]), None)
+                fa = min(rs, key=lambda r: r["us"])
+                lines.append(f"| {B} | {T} | {sw} | {ch['splits'] if ch else '-'} | {ch['us']:.0f} | {fa['splits']} | {fa['us']:.0f} |"
+                             if ch else f"| {B} | {T} | {sw} | - | - | {fa['splits']} | {fa['us']:.0f} |")
         errors = [r for r in rows if "error" in r]
         if errors:
             lines += ["", "Failed cells: " + "; ".join(f"{r.get('backend', r.get('kernel'))} B={r['batch']} T={r['context']}: {r['error'][:80]}" for r in errors)]
@@ -360,9 +429,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--kernel-bench", action="store_true", help="first time one layer's decode attention per kernel config")
     ap.add_argument("--paths", default="all",
-                    help="comma list of hf,static,static+g,stock,stock+g,absorb-<kernel>[+g] (default all)")
+                    help="comma list of hf,static,static+g[+c],stock,stock+g,absorb-<kernel>[+g], absorb-triton+g+c "
+                         "(+c: torch.compile'd step; default all)")
     ap.add_argument("--profile", default="", help="BACKEND-KERNEL:CONTEXT:BATCH[,...]: kernel-time table of 3 eager steps (torch.profiler)")
-    ap.add_argument("--tuning", default="", help="Triton kernel launch parameters, e.g. block_t=64,num_warps=8")
+    ap.add_argument("--tuning", default="", help="Triton kernel launch parameters, e.g. block_t=64,num_warps=8,swap=1")
+    ap.add_argument("--compile-contexts", type=int, nargs="*", default=None,
+                    help="contexts of the torch.compile'd (+c) paths (default: the last context)")
     a = ap.parse_args(argv)
 
     dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
@@ -385,20 +457,19 @@ def main(argv=None) -> int:
     if a.tuning:
         from transmla.runtime import latent_decode as ld
 
-        ld.TUNING.update({k: int(v) for k, v in (kv.split("=") for kv in a.tuning.split(","))})
+        ld.TUNING.update(parse_tuning(a.tuning))
     if a.kernel_bench and dev.type == "cuda":
         from transmla.runtime import latent_decode as ld
 
         best = kernel_bench(dev, dtype, emit, rank=a.rank, rope=a.rope_dim, bandwidth=bw["bytes_per_s"])
         if a.tuning:  # the kernel bench moved TUNING; the model cells use the requested one
-            ld.TUNING.update({k: int(v) for k, v in (kv.split("=") for kv in a.tuning.split(","))})
+            ld.TUNING.update(parse_tuning(a.tuning))
         elif best:
             ld.TUNING.update(best)
         emit(dict(kind="tuning", **ld.TUNING))
     if a.profile:
         from transmla.runtime import latent_decode as ld
 
-        ld.TUNING.update(block_t=64, num_warps=4, num_stages=2, programs_per_sm=2)
         model = build(a.shape, "mla", a.rope_dim, a.rank, dev, dtype)
         for spec in a.profile.split(","):
             name, ctx, b = spec.split(":")
@@ -409,17 +480,21 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         for which in ("original", "mla"):
             model = build(a.shape, which, a.rope_dim, a.rank, dev, dtype)
-            plan = ([("hf", False, None), ("static", False, None)] + [("static", True, None)] * (dev.type == "cuda")
+            cuda = dev.type == "cuda"
+            plan = ([("hf", False, None, False), ("static", False, None, False)]
+                    + [("static", True, None, False), ("static", True, None, True)] * cuda
                     if which == "original" else
-                    [(b, g, k) for b, k in (("stock", None), ("absorb", "sdpa"), ("absorb", "bmm"), ("absorb", "triton"))
-                     for g in graphs])
+                    [(b, g, k, False) for b, k in (("stock", None), ("absorb", "sdpa"), ("absorb", "bmm"), ("absorb", "triton"))
+                     for g in graphs] + [("absorb", True, "triton", True)] * cuda)
+            name = lambda b, g, k, c: f"{b}{'-' + k if k else ''}{'+g' if g else ''}{'+c' if c else ''}"  # noqa: E731
             if a.paths != "all":
                 want = set(a.paths.split(","))
-                name = lambda b, g, k: f"{b}{'-' + k if k else ''}{'+g' if g else ''}"  # noqa: E731
                 plan = [p for p in plan if name(*p) in want]
             for ctx in a.contexts:
-                for backend, graph, kernel in plan:
-                    row = cell(model, backend, ctx, a.batch, graph=graph, kernel=kernel, **common)
+                for backend, graph, kernel, comp in plan:
+                    if comp and ctx not in (a.compile_contexts or a.contexts[-1:]):
+                        continue  # each context is a fresh compile (the cache length is a static shape)
+                    row = cell(model, backend, ctx, a.batch, graph=graph, kernel=kernel, compile_=comp, **common)
                     emit(row)
                     if "ms" in row and ctx == a.contexts[-1]:
                         key = "original" if which == "original" and backend != "hf" else ("absorb" if backend == "absorb" else None)
@@ -432,7 +507,7 @@ def main(argv=None) -> int:
                     nb = max_batch(model, b["backend"], ctx, a.margin_gib)
                     for _ in range(4):  # shrink on OOM
                         row = cell(model, b["backend"], ctx, nb, graph=b["graph"], kernel=b["kernel"], **common,
-                                   extra={"largest_batch": True})
+                                   extra={"largest_batch": True}, compile_=bool(b.get("compiled")))
                         emit(row)
                         if "error" not in row or "OutOfMemory" not in row["error"]:
                             break

@@ -5,7 +5,7 @@ test extra installs it; CI has no GPU)."""
 import pytest
 import torch
 
-from transmla.runtime.latent_decode import latent_decode_torch, merge_splits, num_splits_for
+from transmla.runtime.latent_decode import choose_splits, latent_decode_torch, merge_splits, num_splits_for
 
 
 def dense(q, latent, rank, scaling, mask=None):
@@ -52,10 +52,15 @@ for shape in SHAPES:
     q, lat, mask = case(*shape)
     for splits in (1, 3):
         for m in (None, mask):
-            got = latent_decode_triton(q, lat, shape[2], 0.125, m, num_splits=splits, block_t=16)
-            assert got.shape == (shape[0], shape[1], shape[2])
-            worst = max(worst, float((got.double() - dense(q, lat, shape[2], 0.125, m)).abs().max()))
+            for swap in (False, True):  # both product forms
+                got = latent_decode_triton(q, lat, shape[2], 0.125, m, num_splits=splits, block_t=16, swap=swap)
+                assert got.shape == (shape[0], shape[1], shape[2])
+                worst = max(worst, float((got.double() - dense(q, lat, shape[2], 0.125, m)).abs().max()))
     assert torch.allclose(latent_decode(q, lat, shape[2], 0.125, mask), latent_decode_triton(q, lat, shape[2], 0.125, mask))
+# the custom op torch.compile sees: schema, fake (meta) implementation and dispatch are consistent
+q, lat, mask = case(*SHAPES[0])
+torch.library.opcheck(torch.ops.transmla.latent_decode.default, (q, lat, mask, SHAPES[0][2], 0.125),
+                      test_utils=("test_schema", "test_faketensor"))
 print(worst)
 """
 
@@ -75,13 +80,32 @@ def test_triton_kernel_in_the_interpreter():
 
 
 def test_merge_weighs_an_all_masked_chunk_zero():
-    m = torch.tensor([[[float("-inf")], [0.5]]])  # [B=1, S=2, h=1]
-    l = torch.tensor([[[0.0], [2.0]]])
-    acc = torch.tensor([[[[0.0, 0.0]], [[4.0, 6.0]]]])
+    m = torch.tensor([[[float("-inf"), 0.5]]])  # [B=1, h=1, S=2]
+    l = torch.tensor([[[0.0, 2.0]]])
+    acc = torch.tensor([[[[0.0, 0.0], [4.0, 6.0]]]])  # [B, h, S, r=2]
     assert torch.equal(merge_splits(m, l, acc), torch.tensor([[[2.0, 3.0]]]))
 
 
 def test_num_splits_fills_the_machine_and_never_exceeds_the_tiles():
-    assert num_splits_for(batch=16, length=8192, block_t=32, programs=264) == 17
-    assert num_splits_for(batch=423, length=8192, block_t=32, programs=264) == 1
-    assert num_splits_for(batch=1, length=40, block_t=32, programs=264) == 2
+    # 16 sequences, 264 resident programs: 16 chunks of 16 tiles fill one wave (more chunks need a second)
+    assert num_splits_for(batch=16, length=8192, block_t=32, programs=264) == 16
+    assert num_splits_for(batch=1, length=40, block_t=32, programs=264) == 2  # never more chunks than tiles
+    assert num_splits_for(batch=1, length=8192, block_t=64, programs=264) == 128
+
+
+def test_wave_model_weighs_tails_and_overheads():
+    """choose_splits minimises waves x (tiles per chunk + per-program overhead) over every chunking."""
+    from transmla.runtime.latent_decode import OVERHEAD_TILES
+
+    def cost(B, T, bt, res, s):
+        tiles = -(-T // bt)
+        c = -(-tiles // s)
+        return -(-B * -(-tiles // c) // res) * (c + OVERHEAD_TILES)
+
+    for B, T, bt, res in [(16, 8192, 64, 264), (425, 8192, 64, 264), (3, 1000, 64, 132), (64, 4096, 32, 528)]:
+        s = choose_splits(B, T, bt, res)
+        tiles = -(-T // bt)
+        assert 1 <= s <= tiles
+        assert cost(B, T, bt, res, s) == min(cost(B, T, bt, res, k) for k in range(1, tiles + 1))
+    # a batch that fills the machine twice over: one chunk per sequence beats splitting (fewer partials)
+    assert choose_splits(528, 8192, 64, 264) == 1

@@ -295,10 +295,10 @@ def _precompute(attn: nn.Module, fold: bool | None) -> None:
 # Single-token decode attention over the latent: "sdpa" (one fused call, heads folded into the query
 # axis), "bmm" (two batched matmuls) or "triton" (transmla.runtime.latent_decode: split-K, the latent
 # read once; its PyTorch form off CUDA); all exact. "auto" picks per device and shape from measurements
-# (reports/throughput/gpu, H200, Llama-2-7B shape, CUDA graphs, batch 16): bmm beat SDPA's one-head
-# kernel at every context; the Triton kernel beats bmm once the batch's cache is large (11.5 vs 14.6 ms
-# per step at 8K, 10.6-11.0 vs 11.5 at 4K, but 10.1-10.6 vs 9.4 at 1K), and reads the latent at 1.6x
-# of its copy time at batch 425 (bmm: 3.3x). On CPU the fused SDPA call is kept.
+# (reports/throughput/gpu, H200, Llama-2-7B shape, graph-timed, one layer): bmm beat SDPA's one-head
+# kernel at every context; the Triton kernel beats bmm once the batch's cache is large (88 vs 124 us
+# at batch 16, 8K; 1.32 vs 3.00 ms at batch 425, 8K) but not at batch 16, 1K (35 vs 21 us).
+# On CPU the fused SDPA call is kept.
 DECODE_KERNEL = "auto"
 DECODE_KERNELS = ("auto", "sdpa", "bmm", "triton")
 # "auto" on CUDA: the Triton kernel from this many cached tokens in the batch (B x T), bmm below
