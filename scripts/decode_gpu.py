@@ -47,6 +47,9 @@ SHAPES = {
                       num_key_value_heads=32, vocab_size=32000, rope_theta=10000.0, max_position_embeddings=4096),
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
+                         tie_word_embeddings=True),
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1000, rope_theta=10000.0, max_position_embeddings=4096),
 }
