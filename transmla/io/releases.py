@@ -1,0 +1,135 @@
+"""Release identity: what a watched source points at today, found before any weight is downloaded.
+
+    hf:ORG/NAME[@REV]      the commit sha of that revision (one hub API call)
+    pypi:PKG>=0.1:PATH     the newest matching version on the index (pip's index client; nothing downloaded)
+    catalog name           its pinned versions
+    gguf:/file, /dir       the content hash (local: nothing to download)
+
+A release is `source` pinned to that id (hf:ORG/NAME@SHA, pypi:PKG==VER:...): fetching it gives
+exactly what was checked, and the id is what the nightly ledger records. Discovery turns a hub query
+(author / search) into releases of the repositories it finds, each judged from its config.json alone
+(one small file): a text-generation GQA model of a family the converter handles, under a size cap.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from transmla.errors import TransMLAError
+from transmla.io.sources import content_hash, parse_source, pin_source, sha256_file
+
+
+@dataclass(frozen=True)
+class Release:
+    """One release of a watched model. `refused` (one line) when it must not be converted."""
+
+    watch: str  # the watch entry that found it
+    source: str  # the source pinned to this release: fetch this
+    release_id: str
+    date: str | None = None  # when it was published, where the source says
+    params: int | None = None  # parameter count, where known before download
+    refused: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _hub():
+    from huggingface_hub import HfApi
+
+    return HfApi()
+
+
+def _date(info) -> str | None:
+    d = getattr(info, "last_modified", None) or getattr(info, "created_at", None)
+    return d.isoformat() if hasattr(d, "isoformat") else (str(d) if d else None)
+
+
+def _params_of(info) -> int | None:
+    st = getattr(info, "safetensors", None)
+    return int(st.total) if st is not None and getattr(st, "total", None) else None
+
+
+def estimate_params(cfg: dict) -> int | None:
+    """Parameters of a decoder from its config alone (embeddings, attention, MLP, experts); None if the
+    config lacks the shapes."""
+    try:
+        d, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+        h = cfg["num_attention_heads"]
+        g = cfg.get("num_key_value_heads") or h
+        hd = cfg.get("head_dim") or d // h
+        inter = cfg.get("intermediate_size") or 4 * d
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 1
+    moe_inter = cfg.get("moe_intermediate_size") or inter
+    attn = d * hd * (h + 2 * g) + h * hd * d
+    mlp = 3 * d * (moe_inter * experts if experts > 1 else inter)
+    emb = vocab * d * (1 if cfg.get("tie_word_embeddings") else 2)
+    return int(emb + layers * (attn + mlp))
+
+
+def judge_config(cfg: dict, max_params: float | None, params: int | None = None) -> str | None:
+    """Why a model must not be converted here (None: it may): the converter's own refusal, a model that
+    is not GQA/MHA attention, or a size over the cap."""
+    from transmla.adapters import check_config
+
+    if not cfg:
+        return "no config.json"
+    try:
+        check_config(cfg)
+    except TransMLAError as e:
+        return e.problem
+    h, g = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+    if not h or not g or h % g:
+        return f"not grouped-query attention ({g} KV heads for {h} query heads)"
+    n = params or estimate_params(cfg)
+    if max_params and n and n > max_params:
+        return f"{n / 1e9:.2f}B parameters, over the nightly cap of {max_params / 1e9:.2f}B (nightly.max_params)"
+    return None
+
+
+def hub_config(api, repo: str, revision: str) -> dict:
+    """config.json of one hub revision (the only file read before a model is chosen)."""
+    return json.loads(Path(api.hf_hub_download(repo, "config.json", revision=revision)).read_text())
+
+
+def resolve(source: str, watch: str | None = None, max_params: float | None = None, api=None) -> Release:
+    """The release a source points at now, pinned; nothing but metadata is fetched (hub: one API call and
+    config.json; PyPI: the index page). Hub and local models over the cap are refused here."""
+    src = parse_source(source)
+    watch = watch or source
+    if src.kind == "hf":
+        api = api or _hub()
+        info = api.model_info(src.location, revision=src.revision)
+        pinned = f"hf:{src.location}@{info.sha}"
+        n = _params_of(info)
+        cfg = hub_config(api, src.location, info.sha)
+        return Release(watch, pinned, info.sha, _date(info), n, judge_config(cfg, max_params, n))
+    if src.kind == "pypi-gguf":
+        p = pin_source(src).pypi
+        rid = "+".join(f"{n}=={v}" for n, v in p.packages)
+        return Release(watch, p.identity, rid)
+    if src.kind == "gguf":
+        return Release(watch, source, "sha256:" + sha256_file(src.location))
+    cfg = json.loads((Path(src.location) / "config.json").read_text())
+    reason = judge_config(cfg, max_params)
+    return Release(watch, source, "sha256:" + content_hash(Path(src.location)), refused=reason)
+
+
+def discover(query: dict, max_params: float | None = None, api=None) -> list[Release]:
+    """Releases of the hub repositories a query finds (`HfApi.list_models(author=, search=, sort=, limit=)`,
+    text-generation only); the ones the converter cannot take come back refused, with the reason."""
+    api = api or _hub()
+    label = "hub:" + ",".join(f"{k}={v}" for k, v in sorted(query.items()) if v is not None)
+    found = api.list_models(author=query.get("author"), search=query.get("search"), sort=query.get("sort"),
+                            limit=query.get("limit"), pipeline_tag="text-generation")
+    out = []
+    for m in found:
+        try:
+            out.append(resolve(f"hf:{m.id}", watch=label, max_params=max_params, api=api))
+        except Exception as e:  # noqa: BLE001  (a repo without config, gated, ...: reported, the others go on)
+            out.append(Release(label, f"hf:{m.id}", getattr(m, "sha", None) or "?", refused=f"{e.__class__.__name__}: {e}"))
+    return out
