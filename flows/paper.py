@@ -5,7 +5,10 @@
                      -> figures
     report (Table 1 + figures)
 
-    python -m flows.paper [--params params/paper.yaml]
+    python -m flows.paper [--params params/paper.yaml] [-S runner.kind=dask]
+
+The per-(model, budget, method) chains (`variant`) run one after another in this process, or in
+parallel on a Dask cluster with `runner: {kind: dask}` (flows/cluster.py).
 
 Same tasks, same cache, same output paths as the DVC stages: a DVC run and a paper-flow run reuse
 each other's cached steps. On a GPU machine run it with the paper profile.
@@ -15,9 +18,10 @@ from __future__ import annotations
 
 import shutil
 
-from prefect import flow
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
 
-from . import _cli, layout
+from . import _cli, cluster, layout
 from .calibrate import calibrate
 from .convert import convert
 from .evaluate import evaluate
@@ -27,28 +31,46 @@ from .params import Profile
 from .report import report
 
 
-@flow(name="paper")
-def paper(profile: Profile, no_figures: bool = False) -> str:
+def variant_rows(profile: Profile, model: str, method: str, budget: float, stats: str) -> dict:
+    """One Table-1 row and its fine-tuned row: convert -> evaluate [-> finetune -> evaluate --finetuned]."""
+    ckpt = layout.checkpoint_dir(model, method, budget)
+    if ckpt.exists():  # outputs are replaced, as `dvc repro` does; cached steps make it cheap
+        shutil.rmtree(ckpt)
+    convert(profile, model, method, budget, stats_file=stats)
+    rows = {"converted": evaluate(profile, model, method, budget)}
+    if profile.finetuned(method, budget):
+        ft = layout.finetuned_dir(model, method, budget)
+        if ft.exists():
+            shutil.rmtree(ft)
+        finetune(profile, model, method, budget)
+        rows["finetuned"] = evaluate(profile, model, method, budget, finetuned=True)
+    return rows
+
+
+def pipeline(profile: Profile, no_figures: bool = False) -> str:
+    """Every model of the profile, then the report."""
     p = profile.pipeline
     for model in p.models:
         stats = calibrate(profile, model)["path"]
         evaluate(profile, model, "original")
-        for budget in p.budgets:
-            for method in p.methods:
-                ckpt = layout.checkpoint_dir(model, method, budget)
-                if ckpt.exists():  # outputs are replaced, as `dvc repro` does; cached steps make it cheap
-                    shutil.rmtree(ckpt)
-                convert(profile, model, method, budget, stats_file=stats)
-                evaluate(profile, model, method, budget)
-                if profile.finetuned(method, budget):
-                    ft = layout.finetuned_dir(model, method, budget)
-                    if ft.exists():
-                        shutil.rmtree(ft)
-                    finetune(profile, model, method, budget)
-                    evaluate(profile, model, method, budget, finetuned=True)
+        cluster.run_matrix(variant, [(profile, model, method, budget, stats)
+                                     for budget in p.budgets for method in p.methods], profile.runner)
         if not no_figures:
             figures(profile, model, stats_file=stats)
     return report(profile)
+
+
+# Prefect's task and flow around the module-level functions above, not decorators: a runner that
+# ships them to other processes (Dask pickles the task and the flow run's context) then pickles the
+# functions by name; by value, their globals would drag in every flow and cached task below them.
+# `variant` is the unit a runner places; its steps are cached, the chain has nothing of its own to cache.
+variant = task(variant_rows, name="variant", persist_result=False, cache_policy=NO_CACHE)
+paper_flow = flow(pipeline, name="paper")
+
+
+def paper(profile: Profile, no_figures: bool = False) -> str:
+    """The paper flow on the profile's `runner:` (in-process, or a Dask cluster)."""
+    return paper_flow.with_options(task_runner=cluster.task_runner(profile.runner))(profile, no_figures)
 
 
 if __name__ == "__main__":

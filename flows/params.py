@@ -103,6 +103,24 @@ class PipelineParams(Strict):
         return v
 
 
+class RunnerParams(Strict):
+    """Where the paper flow runs its models x budgets x methods matrix (flows/cluster.py): `local`, one
+    variant after another in the flow's process (what `dvc repro` does stage by stage), or `dask`, the
+    variants in parallel on a Dask cluster: the scheduler at `address`, or (null) a cluster of `workers`
+    processes on this machine."""
+
+    kind: Literal["local", "dask"] = "local"
+    address: str | None = None  # an existing dask scheduler, e.g. tcp://host:8786
+    workers: int = Field(2, ge=1)  # LocalCluster worker processes (address: null)
+    threads_per_worker: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _address_is_dask(self):
+        if self.address and self.kind != "dask":
+            raise ValueError(f"runner.address {self.address!r} is a Dask scheduler: set runner.kind: dask")
+        return self
+
+
 class FinetuneParams(FinetuneConfig):
     """Recovery fine-tune of converted models, then re-evaluation (paper appendix E).
 
@@ -207,6 +225,7 @@ class Profile(Strict):
     device: str = "cpu"
     models: dict[str, ModelParams]
     pipeline: PipelineParams
+    runner: RunnerParams = RunnerParams()
     calibration: CalibrationOptions = CalibrationOptions()
     methods: MethodsParams = MethodsParams()
     export: ExportOptions = ExportOptions()

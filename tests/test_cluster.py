@@ -1,0 +1,129 @@
+"""The paper flow's matrix on a Dask cluster (flows/cluster.py): a local cluster of 2 worker processes
+runs a small matrix through the real runner (prefect-dask), on both workers, with the same results as
+the in-process run and the same cached steps; the `runner:` params."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import tasks  # noqa: F401,I001  (the Prefect defaults, before prefect is imported; conftest pointed the store at a temp dir)
+from prefect import flow, task
+from transmla.errors import TransMLAError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def tiny_dir(tmp_path, tiny_tokenizer):
+    """A tiny random Llama of its own (seeded for this module: its own cache keys)."""
+    from conftest import _tiny_model
+
+    d = tmp_path / "tiny-model"
+    _tiny_model("llama", len(tiny_tokenizer), seed=2121).save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
+
+
+@task
+def cell(model_ref: dict, seqlen: int) -> tuple:
+    """One matrix cell: a real cached step (perplexity of the tiny model at one window length)
+    -> (seqlen, ppl, the step's state: computed or cached, the process it ran in, its torch threads)."""
+    import torch
+
+    from tasks.artifacts import load_json
+    from tasks.evaluate import perplexity
+    from tasks.model import dataset_ref
+
+    state = perplexity(model_ref, dataset_ref("wikitext2-test"), seqlen, 256, return_state=True)
+    return seqlen, load_json(state.result())["ppl"], state.name, os.getpid(), torch.get_num_threads()
+
+
+@flow
+def matrix(model_dir: str, seqlens: list[int], runner) -> list:
+    """A small matrix the way the paper flow runs its variants."""
+    from flows.cluster import run_matrix
+    from tasks.model import resolve_model
+
+    ref = resolve_model(model_dir)
+    return run_matrix(cell, [(ref, s) for s in seqlens], runner)
+
+
+def run(runner, model_dir, seqlens: list[int]) -> list:
+    from flows.cluster import task_runner
+
+    return matrix.with_options(task_runner=task_runner(runner))(str(model_dir), seqlens, runner)
+
+
+def test_matrix_on_two_dask_workers(tiny_dir):
+    from flows.params import RunnerParams
+
+    from transmla.evaluation.perplexity import dataset_perplexity
+    from transmla.io.sources import load_model
+
+    here = run(RunnerParams(), tiny_dir, [16, 32])
+    assert [(s, state, pid) for s, _, state, pid, _ in here] == [(16, "Completed", os.getpid()), (32, "Completed", os.getpid())]
+
+    there = run(RunnerParams(kind="dask", workers=2), tiny_dir, [16, 32, 48, 64])
+    assert [r[2] for r in there] == ["Cached", "Cached", "Completed", "Completed"]  # the in-process run's cache
+    assert [r[:2] for r in there[:2]] == [r[:2] for r in here]
+    m, tok = load_model(str(tiny_dir))
+    for s, ppl, *_ in there[2:]:  # computed on the workers: what this process computes
+        assert ppl == pytest.approx(dataset_perplexity(m, tok, "wikitext2-test", s, 256)["ppl"], rel=1e-5)
+    pids = {r[3] for r in there}
+    assert len(pids) == 2 and os.getpid() not in pids  # both worker processes, none of it in this one
+    assert {r[4] for r in there} == {max(1, os.cpu_count() // 2)}  # each worker its share of the cores, not dask's 1
+
+    again = run(RunnerParams(), tiny_dir, [48, 64])  # and back: the workers' steps are cached here too
+    assert [r[:3] for r in again] == [(*r[:2], "Cached") for r in there[2:]]
+
+
+def test_runner_params():
+    from flows.params import load_profile
+
+    assert load_profile(REPO / "params" / "default.yaml").runner.kind == "local"
+    assert load_profile(REPO / "params" / "paper.yaml").runner.kind == "local"
+    p = load_profile(REPO / "params" / "default.yaml", {"runner.kind": "dask", "runner.address": "tcp://10.0.0.1:8786"})
+    assert (p.runner.kind, p.runner.address) == ("dask", "tcp://10.0.0.1:8786")
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"runner.kind": "ray"}, "runner.kind: Input should be 'local' or 'dask'"),
+    ({"runner.workers": 0}, "runner.workers"),
+    ({"runner.address": "tcp://10.0.0.1:8786"}, "set runner.kind: dask"),
+    ({"runner.processes": True}, "runner.processes"),
+])
+def test_bad_runner_params_name_the_field(override, message):
+    from flows.params import load_profile
+
+    with pytest.raises(TransMLAError) as e:
+        load_profile(REPO / "params" / "default.yaml", override)
+    assert message in str(e.value) and "Fix:" in str(e.value)
+
+
+def test_task_runner_kinds():
+    from prefect.task_runners import ThreadPoolTaskRunner
+    from prefect_dask import DaskTaskRunner
+
+    from flows.cluster import task_runner
+    from flows.params import RunnerParams
+
+    assert isinstance(task_runner(RunnerParams()), ThreadPoolTaskRunner)
+    remote = task_runner(RunnerParams(kind="dask", address="tcp://10.0.0.1:8786"))
+    assert isinstance(remote, DaskTaskRunner) and remote.address == "tcp://10.0.0.1:8786"
+
+
+def test_paper_flow_ships_to_workers():
+    """Dask pickles the variant task and the flow run's context (the flow): by name, not by value
+    (by value, their globals drag in the cached tasks' context variables, which do not pickle)."""
+    from distributed.protocol.pickle import dumps, loads
+
+    from flows.cluster import task_runner
+    from flows.params import RunnerParams
+    from flows.paper import paper_flow, variant, variant_rows
+
+    assert loads(dumps(variant)).fn is variant_rows
+    flow_on_dask = paper_flow.with_options(task_runner=task_runner(RunnerParams(kind="dask", address="tcp://127.0.0.1:1")))
+    assert loads(dumps(flow_on_dask)).fn is paper_flow.fn
