@@ -251,7 +251,7 @@ def kernel_bench(dev, dtype, emit, h=32, rank=512, rope=64, shapes=((16, 1024), 
         for bt, nw, ns in configs:
             for swap in (False, True):
                 ld.TUNING.update(block_t=bt, num_warps=nw, num_stages=ns, swap=swap)
-                key = (rank, rope, h, bt, nw, ns, swap, False)
+                key = ld.variant_key(rank, rope, h, bt, nw, ns, swap, False)
                 try:
                     ld.latent_decode_triton(q, lat, rank, 0.05)  # compiles; the occupancy is read after
                 except Exception as e:  # noqa: BLE001 - e.g. a configuration out of shared memory
@@ -267,7 +267,7 @@ def kernel_bench(dev, dtype, emit, h=32, rank=512, rope=64, shapes=((16, 1024), 
             bt = base["block_t"]
             tiles = -(-T // bt)
             for swap in (False, True):
-                key = (rank, rope, h, bt, base["num_warps"], base["num_stages"], swap, False)
+                key = ld.variant_key(rank, rope, h, bt, base["num_warps"], base["num_stages"], swap, False)
                 chosen = ld.choose_splits(B, T, bt, ld._resident(q.device, key))
                 for S in sorted({1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64, chosen} & set(range(1, tiles + 1))):
                     if B * S > 64 * 1024:

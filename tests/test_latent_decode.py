@@ -5,7 +5,7 @@ test extra installs it; CI has no GPU)."""
 import pytest
 import torch
 
-from transmla.runtime.latent_decode import choose_splits, latent_decode_torch, merge_splits, num_splits_for
+from transmla.runtime.latent_decode import choose_splits, latent_decode_torch, merge_splits
 
 
 def dense(q, latent, rank, scaling, mask=None):
@@ -88,9 +88,9 @@ def test_merge_weighs_an_all_masked_chunk_zero():
 
 def test_num_splits_fills_the_machine_and_never_exceeds_the_tiles():
     # 16 sequences, 264 resident programs: 16 chunks of 16 tiles fill one wave (more chunks need a second)
-    assert num_splits_for(batch=16, length=8192, block_t=32, programs=264) == 16
-    assert num_splits_for(batch=1, length=40, block_t=32, programs=264) == 2  # never more chunks than tiles
-    assert num_splits_for(batch=1, length=8192, block_t=64, programs=264) == 128
+    assert choose_splits(batch=16, length=8192, block_t=32, resident=264) == 16
+    assert choose_splits(batch=1, length=40, block_t=32, resident=264) == 2  # never more chunks than tiles
+    assert choose_splits(batch=1, length=8192, block_t=64, resident=264) == 128
 
 
 def test_wave_model_weighs_tails_and_overheads():

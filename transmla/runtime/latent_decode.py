@@ -80,11 +80,6 @@ def choose_splits(batch: int, length: int, block_t: int, resident: int) -> int:
     return best
 
 
-def num_splits_for(batch: int, length: int, block_t: int, programs: int) -> int:
-    """Chunks per sequence for `programs` resident programs (the wave model of `choose_splits`)."""
-    return choose_splits(batch, length, block_t, programs)
-
-
 def _chunk_tiles(length: int, splits: int, block_t: int) -> int:
     """Tiles per chunk: the `splits` chunks cover the cache, each a whole number of tiles."""
     return max(1, math.ceil(math.ceil(length / block_t) / max(splits, 1)))
@@ -181,6 +176,12 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
+def variant_key(rank: int, rope: int, heads: int, block_t: int, num_warps: int, num_stages: int, swap: bool,
+                has_mask: bool) -> tuple:
+    """What makes one compiled kernel variant (the occupancy record `_RESIDENT` is kept per variant)."""
+    return (rank, rope, heads, block_t, num_warps, num_stages, bool(swap), bool(has_mask))
+
+
 def _resident(device: torch.device, key: tuple) -> int:
     """Programs resident at once for the compiled variant `key`: measured occupancy once known, else the
     TUNING guess (programs_per_sm x SMs; 4 programs in the interpreter)."""
@@ -209,7 +210,7 @@ def latent_decode_triton(query: torch.Tensor, latent: torch.Tensor, rank: int, s
     if query.stride(-1) != 1 or latent.stride(-1) != 1:
         raise ValueError("latent_decode_triton needs the last dimension of query and latent contiguous.")
     interpret = _interpret()
-    key = (rank, R, h, block_t, num_warps, num_stages, bool(swap), mask is not None)
+    key = variant_key(rank, R, h, block_t, num_warps, num_stages, swap, mask is not None)
     if num_splits is None:
         num_splits = choose_splits(B, T, block_t, _resident(query.device, key))
     tiles = _chunk_tiles(T, num_splits, block_t)

@@ -60,6 +60,18 @@ def _tile_swapped(q_cT, q_pT, m_i, l_i, accT, l_base, MASK, mask_base, t0, T, st
 
 
 @triton.jit
+def _step(q_c, q_p, m_i, l_i, acc, l_base, MASK, mask_base, t0, T, stride_lt, RANK: tl.constexpr, scaling, orr, op, rm, pm,
+          BLOCK_T: tl.constexpr, HAS_MASK: tl.constexpr, FULL: tl.constexpr, SWAP: tl.constexpr):
+    """One tile in the product form SWAP picks (resolved at compile time)."""
+    if SWAP:
+        return _tile_swapped(q_c, q_p, m_i, l_i, acc, l_base, MASK, mask_base, t0, T, stride_lt, RANK, scaling, orr, op,
+                             rm, pm, BLOCK_T, HAS_MASK, FULL)
+    else:
+        return _tile(q_c, q_p, m_i, l_i, acc, l_base, MASK, mask_base, t0, T, stride_lt, RANK, scaling, orr, op, rm, pm,
+                     BLOCK_T, HAS_MASK, FULL)
+
+
+@triton.jit
 def latent_decode_kernel(
     Q, L, MASK, ACC, M_OUT, L_OUT,
     stride_qb, stride_qh, stride_lb, stride_lt, stride_mb,
@@ -90,43 +102,33 @@ def latent_decode_kernel(
         first = s * CHUNK_TILES_INTERP * BLOCK_T
     else:
         first = s * chunk_tiles * BLOCK_T
+    # The two product forms hold q and acc transposed to each other; the tile loop is the same.
     if SWAP:
-        q_cT = tl.load(q_base + oh[None, :] * stride_qh + orr[:, None], mask=hm[None, :] & rm[:, None], other=0.0)  # [BR, BH]
-        q_pT = tl.load(q_base + oh[None, :] * stride_qh + RANK + op[:, None], mask=hm[None, :] & pm[:, None], other=0.0)
+        q_c = tl.load(q_base + oh[None, :] * stride_qh + orr[:, None], mask=hm[None, :] & rm[:, None], other=0.0)  # [BR, BH]
+        q_p = tl.load(q_base + oh[None, :] * stride_qh + RANK + op[:, None], mask=hm[None, :] & pm[:, None], other=0.0)
         acc = tl.full([BLOCK_R, BLOCK_H], 0.0, tl.float32)
-        if INTERPRET:
-            for i in range(CHUNK_TILES_INTERP):
-                if first + i * BLOCK_T < T:
-                    m_i, l_i, acc = _tile_swapped(q_cT, q_pT, m_i, l_i, acc, l_base, MASK, mb, first + i * BLOCK_T, T,
-                                                  stride_lt, RANK, scaling, orr, op, rm, pm, BLOCK_T, HAS_MASK, False)
-        else:
-            # the full tiles without a branch or row mask (loads pipeline and vectorise), then the one ragged tile
-            n_full = tl.minimum(chunk_tiles, (T - first) // BLOCK_T)
-            for i in range(n_full):
-                m_i, l_i, acc = _tile_swapped(q_cT, q_pT, m_i, l_i, acc, l_base, MASK, mb, first + i * BLOCK_T, T,
-                                              stride_lt, RANK, scaling, orr, op, rm, pm, BLOCK_T, HAS_MASK, True)
-            if n_full < chunk_tiles and first + n_full * BLOCK_T < T:
-                m_i, l_i, acc = _tile_swapped(q_cT, q_pT, m_i, l_i, acc, l_base, MASK, mb, first + n_full * BLOCK_T, T,
-                                              stride_lt, RANK, scaling, orr, op, rm, pm, BLOCK_T, HAS_MASK, False)
-        tl.store(ACC + b * stride_ab + s * stride_as + oh[None, :] * stride_ah + orr[:, None], acc,
-                 mask=hm[None, :] & rm[:, None])
     else:
         q_c = tl.load(q_base + oh[:, None] * stride_qh + orr[None, :], mask=hm[:, None] & rm[None, :], other=0.0)  # [BH, BR]
         q_p = tl.load(q_base + oh[:, None] * stride_qh + RANK + op[None, :], mask=hm[:, None] & pm[None, :], other=0.0)
         acc = tl.full([BLOCK_H, BLOCK_R], 0.0, tl.float32)
-        if INTERPRET:
-            for i in range(CHUNK_TILES_INTERP):
-                if first + i * BLOCK_T < T:
-                    m_i, l_i, acc = _tile(q_c, q_p, m_i, l_i, acc, l_base, MASK, mb, first + i * BLOCK_T, T,
-                                          stride_lt, RANK, scaling, orr, op, rm, pm, BLOCK_T, HAS_MASK, False)
-        else:
-            n_full = tl.minimum(chunk_tiles, (T - first) // BLOCK_T)
-            for i in range(n_full):
-                m_i, l_i, acc = _tile(q_c, q_p, m_i, l_i, acc, l_base, MASK, mb, first + i * BLOCK_T, T,
-                                      stride_lt, RANK, scaling, orr, op, rm, pm, BLOCK_T, HAS_MASK, True)
-            if n_full < chunk_tiles and first + n_full * BLOCK_T < T:
-                m_i, l_i, acc = _tile(q_c, q_p, m_i, l_i, acc, l_base, MASK, mb, first + n_full * BLOCK_T, T,
-                                      stride_lt, RANK, scaling, orr, op, rm, pm, BLOCK_T, HAS_MASK, False)
+    if INTERPRET:
+        for i in range(CHUNK_TILES_INTERP):
+            if first + i * BLOCK_T < T:
+                m_i, l_i, acc = _step(q_c, q_p, m_i, l_i, acc, l_base, MASK, mb, first + i * BLOCK_T, T, stride_lt, RANK,
+                                      scaling, orr, op, rm, pm, BLOCK_T, HAS_MASK, False, SWAP)
+    else:
+        # the full tiles without a branch or row mask (loads pipeline and vectorise), then the one ragged tile
+        n_full = tl.minimum(chunk_tiles, (T - first) // BLOCK_T)
+        for i in range(n_full):
+            m_i, l_i, acc = _step(q_c, q_p, m_i, l_i, acc, l_base, MASK, mb, first + i * BLOCK_T, T, stride_lt, RANK,
+                                  scaling, orr, op, rm, pm, BLOCK_T, HAS_MASK, True, SWAP)
+        if n_full < chunk_tiles and first + n_full * BLOCK_T < T:
+            m_i, l_i, acc = _step(q_c, q_p, m_i, l_i, acc, l_base, MASK, mb, first + n_full * BLOCK_T, T, stride_lt, RANK,
+                                  scaling, orr, op, rm, pm, BLOCK_T, HAS_MASK, False, SWAP)
+    if SWAP:
+        tl.store(ACC + b * stride_ab + s * stride_as + oh[None, :] * stride_ah + orr[:, None], acc,
+                 mask=hm[None, :] & rm[:, None])
+    else:
         tl.store(ACC + b * stride_ab + s * stride_as + oh[:, None] * stride_ah + orr[None, :], acc,
                  mask=hm[:, None] & rm[None, :])
     tl.store(M_OUT + b * stride_sb + s * stride_ss + oh * stride_sh, m_i, mask=hm)
