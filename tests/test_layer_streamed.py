@@ -155,3 +155,21 @@ def test_renamed_checkpoint_tensors_are_refused_before_work(tmp_path, tiny_token
     with pytest.raises(TransMLAError, match="--load model"):
         convert(str(src), out, ConvertOptions(load="layers", qk_rope_dim=8, kv_lora_rank=12), progress=False)
     assert not out.exists()
+
+
+def test_embedding_rows_and_lazy_tensors_equal_the_stored_tensor(tiny_model_dir, tmp_path):
+    """The stream reads only the calibration tokens' embedding rows; the export writes the table from the
+    source file in row blocks: the same rows, and the same file bytes as writing the loaded tensor."""
+    from transmla.io.export import write_safetensors
+    from transmla.io.lazy import LazyCheckpoint
+
+    ckpt = LazyCheckpoint(tiny_model_dir)
+    name = "model.embed_tokens.weight"
+    full = ckpt.tensor(name, torch.float32)
+    idx = torch.tensor([0, 1, 2, 7, 9, 10, full.shape[0] - 1])  # runs of consecutive rows and single rows
+    assert torch.equal(ckpt.rows(name, idx), full[idx])
+    norm = ckpt.tensor("model.norm.weight")
+    for dtype in (torch.float32, torch.bfloat16):
+        write_safetensors(tmp_path / "held.safetensors", {"e": ckpt.tensor(name, dtype), "n": norm})
+        write_safetensors(tmp_path / "lazy.safetensors", {"e": ckpt.lazy(name, dtype, block_rows=3), "n": norm})
+        assert (tmp_path / "held.safetensors").read_bytes() == (tmp_path / "lazy.safetensors").read_bytes()

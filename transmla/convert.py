@@ -217,10 +217,16 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
     # up to the first layer of each type to capture its mask and RoPE, so those layers are read too
     types = list(getattr(config, "layer_types", None) or ["full_attention"])
     before = max(types.index(t) for t in dict.fromkeys(types))
-    load_module(model.model.embed_tokens, "model.embed_tokens.", ckpt, device=o.device)
+    # only the calibration tokens' embedding rows, not the table (a 152K-token vocabulary is 0.5 GiB in
+    # float32): the stream embeds token i of the calibration set as row inverse[i] of those rows
+    used, inverse = torch.unique(ids, return_inverse=True)
+    emb = model.model.embed_tokens
+    emb.padding_idx = None  # F.embedding checks it against the row count; it only matters for gradients
+    emb.weight = torch.nn.Parameter(ckpt.rows("model.embed_tokens.weight", used, torch.float32, o.device),
+                                    requires_grad=False)
     for i in range(before):
         load(i)
-    stream = LayerStream(model, ids, o.cal_batch_size, progress)
+    stream = LayerStream(model, inverse.reshape(ids.shape), o.cal_batch_size, progress)
     release_module(model.model.embed_tokens)
     for i in range(before):
         release_module(decoder[i])
@@ -238,7 +244,7 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
             release_module(decoder[i])
             trim_heap()
             yield part
-        stream.h.clear()  # the hidden states are done with: the embeddings come back for the last part
+        stream.h.clear()  # the hidden states are done with
         trim_heap()
         # the same names as in memory (shared_state_dict): read from the source, a tied lm_head written
         # under both names (one tensor in memory), a buffer the source does not store from the skeleton
@@ -246,12 +252,12 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
         for k, v in shared_state_dict(model).items():
             if k.startswith("model.layers."):
                 continue
-            if k in ckpt:
-                glob[k] = ckpt.tensor(k, dtype)
+            if k in ckpt:  # written from the source file, never held (the embedding table, lm_head)
+                glob[k] = ckpt.lazy(k, dtype)
             elif k == "lm_head.weight":
                 glob[k] = glob.get("model.embed_tokens.weight", None)
                 if glob[k] is None:
-                    glob[k] = ckpt.tensor("model.embed_tokens.weight", dtype)
+                    glob[k] = ckpt.lazy("model.embed_tokens.weight", dtype)
             else:
                 glob[k] = v.to(dtype)
         yield glob

@@ -154,7 +154,8 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     weights); this writes the same bytes (8-byte header length, JSON header, data; tensors ordered by
     dtype, widest first, then name, as safetensors orders them) from the tensors' own memory, so an
     export is byte-identical to one written by save_file. Tensors may share storage (a tied lm_head
-    is written twice).
+    is written twice). A value with `write_to(file)` (io.lazy.LazyTensor: a source tensor never held in
+    memory) writes its own bytes.
     """
     if sys.byteorder != "little":
         raise RuntimeError("safetensors is little-endian; this writer does not byte-swap")
@@ -173,7 +174,9 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for t in tensors.values():
-            if t.numel():
+            if hasattr(t, "write_to"):
+                t.write_to(f)
+            elif t.numel():
                 f.write(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 

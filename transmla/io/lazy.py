@@ -6,8 +6,10 @@
     release_module(model.model.layers[i])        ... and give its memory back
 
 A layer is read from its shard into float32 (the conversion's compute dtype) on `device`; the rest
-of the model never leaves the meta device. `tensor(name, dtype)` converts a large tensor (the
-embedding table) in row blocks, so a float32 source never has a second full-size copy in memory.
+of the model never leaves the meta device. `tensor(name, dtype)` converts a large tensor in row
+blocks, so a float32 source never has a second full-size copy in memory; the embedding table is never
+held at all: `rows(name, ids)` reads the rows of the calibration tokens, and `lazy(name, dtype)` is
+written to the export straight from the source file, a block of rows at a time.
 """
 
 from __future__ import annotations
@@ -77,12 +79,68 @@ class LazyCheckpoint:
             for a in range(0, rows, step):
                 k = min(step, rows - a) * row_numel
                 buf = flat[a * row_numel : a * row_numel + k] if dtype == stored else torch.empty(k, dtype=stored)
-                view = buf.view(torch.uint8).numpy()
-                if fh.readinto(view) != view.nbytes:
-                    raise TransMLAError(f"{path} ends inside {name}.", "the checkpoint file is truncated: fetch it again.")
+                _read_exact(fh, buf, path, name)
                 if dtype != stored:
                     flat[a * row_numel : a * row_numel + k] = buf
         return out.to(device)
+
+    def rows(self, name: str, index: torch.Tensor, dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
+        """Rows `index` (sorted, unique) of a 2-D tensor: [len(index), cols] in `dtype`, read by seeking
+        to each run of consecutive rows (the embedding rows of the calibration tokens, not the table)."""
+        path, offset, code, shape = self.entries[name]
+        stored = _ST_DTYPES[code]
+        row_bytes = shape[1] * stored.itemsize
+        idx = index.tolist()
+        out = torch.empty(len(idx), shape[1], dtype=dtype)
+        with open(path, "rb") as fh:
+            i = 0
+            while i < len(idx):
+                j = i + 1
+                while j < len(idx) and idx[j] == idx[j - 1] + 1:
+                    j += 1
+                buf = torch.empty(j - i, shape[1], dtype=stored)
+                fh.seek(offset + idx[i] * row_bytes)
+                _read_exact(fh, buf, path, name)
+                out[i:j] = buf
+                i = j
+        return out.to(device)
+
+    def lazy(self, name: str, dtype: torch.dtype | None = None, block_rows: int = 8192) -> "LazyTensor":
+        """The tensor as something `io.export.write_safetensors` writes from the source file directly."""
+        return LazyTensor(self, name, dtype or _ST_DTYPES[self.entries[name][2]], block_rows)
+
+
+def _read_exact(fh, buf: torch.Tensor, path, name: str) -> None:
+    view = buf.view(torch.uint8).numpy().reshape(-1)
+    if fh.readinto(view) != view.nbytes:
+        raise TransMLAError(f"{path} ends inside {name}.", "the checkpoint file is truncated: fetch it again.")
+
+
+class LazyTensor:
+    """A checkpoint tensor that is written, never held: shape / dtype for the header, `write_to(file)`
+    copies it in blocks of rows, converted to `dtype` (bytes equal to writing `ckpt.tensor(name, dtype)`)."""
+
+    def __init__(self, ckpt: LazyCheckpoint, name: str, dtype: torch.dtype, block_rows: int = 8192):
+        self.ckpt, self.name, self.dtype, self.block_rows = ckpt, name, dtype, block_rows
+        self.shape = torch.Size(ckpt.entries[name][3])
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def write_to(self, f) -> None:
+        path, offset, code, shape = self.ckpt.entries[self.name]
+        stored = _ST_DTYPES[code]
+        rows = shape[0] if shape else 1
+        row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            for a in range(0, rows, self.block_rows):
+                buf = torch.empty(min(self.block_rows, rows - a) * row_numel, dtype=stored)
+                _read_exact(fh, buf, path, self.name)
+                f.write(memoryview(buf.to(self.dtype).view(torch.uint8).numpy()))
 
 
 def skeleton(config) -> nn.Module:
