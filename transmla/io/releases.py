@@ -71,6 +71,10 @@ def estimate_params(cfg: dict) -> int | None:
     return int(emb + layers * (attn + mlp))
 
 
+def _count(n: float) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
 def judge_config(cfg: dict, max_params: float | None, params: int | None = None) -> str | None:
     """Why a model must not be converted here (None: it may): the converter's own refusal, a model that
     is not GQA/MHA attention, or a size over the cap."""
@@ -87,7 +91,7 @@ def judge_config(cfg: dict, max_params: float | None, params: int | None = None)
         return f"not grouped-query attention ({g} KV heads for {h} query heads)"
     n = params or estimate_params(cfg)
     if max_params and n and n > max_params:
-        return f"{n / 1e9:.2f}B parameters, over the nightly cap of {max_params / 1e9:.2f}B (nightly.max_params)"
+        return f"{_count(n)} parameters, over the nightly cap of {_count(max_params)} (nightly.max_params)"
     return None
 
 
