@@ -126,12 +126,16 @@ def _num(x, fmt="{:.2f}") -> str:
     return "" if x is None else fmt.format(x)
 
 
+def _pct(x) -> str:
+    return "" if x is None else f"{100 * x:.1f}"
+
+
 def render_report(records: list[dict], seen: str) -> str:
     """The night's report: one row per release seen (and per method x budget where it was converted)."""
     counts = {s: sum(r["status"] == s for r in records) for s in ("converted", "skipped", "refused", "failed")}
     lines = [f"# Nightly conversions, {seen}", "",
              ", ".join(f"{n} {s}" for s, n in counts.items()) + ". Perplexity: WikiText-2 test (the profile's "
-             "evaluation prefix); average: the six Table-1 benchmarks (evaluation.limit documents each).", "",
+             "evaluation prefix); average: the six Table-1 benchmarks, % (evaluation.limit documents each).", "",
              "| source | release | published | status | method | budget | ppl original | ppl converted "
              "| avg original | avg converted | reason |",
              "|---|---|---|---|---|---:|---:|---:|---:|---:|---|"]
@@ -140,8 +144,8 @@ def render_report(records: list[dict], seen: str) -> str:
         rid = rid[:12] if len(rid) == 40 and all(c in "0123456789abcdef" for c in rid) else rid
         lines.append(" | ".join(["", r["source"].split("@")[0] if r["source"].startswith("hf:") else r["source"], rid,
                                  (r.get("date") or "")[:10], r["status"], r.get("method", ""), _num(r.get("budget"), "{:g}"),
-                                 _num(r.get("original_ppl")), _num(r.get("ppl")), _num(r.get("original_average")),
-                                 _num(r.get("average")), (r.get("reason") or "").replace("|", "/"), ""]).strip())
+                                 _num(r.get("original_ppl")), _num(r.get("ppl")), _pct(r.get("original_average")),
+                                 _pct(r.get("average")), (r.get("reason") or "").replace("|", "/"), ""]).strip())
     return "\n".join(lines) + "\n"
 
 
