@@ -52,23 +52,15 @@ def _params_of(info) -> int | None:
     return int(st.total) if st is not None and getattr(st, "total", None) else None
 
 
-def estimate_params(cfg: dict) -> int | None:
-    """Parameters of a decoder from its config alone (embeddings, attention, MLP, experts); None if the
-    config lacks the shapes."""
-    try:
-        d, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-        h = cfg["num_attention_heads"]
-        g = cfg.get("num_key_value_heads") or h
-        hd = cfg.get("head_dim") or d // h
-        inter = cfg.get("intermediate_size") or 4 * d
-    except (KeyError, TypeError, ZeroDivisionError):
-        return None
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 1
-    moe_inter = cfg.get("moe_intermediate_size") or inter
-    attn = d * hd * (h + 2 * g) + h * hd * d
-    mlp = 3 * d * (moe_inter * experts if experts > 1 else inter)
-    emb = vocab * d * (1 if cfg.get("tie_word_embeddings") else 2)
-    return int(emb + layers * (attn + mlp))
+def params_of_config(cfg: dict) -> int:
+    """Parameters of the model a config describes (io.lazy.float32_bytes: a meta-device model, tied
+    weights once), without any weight."""
+    from transformers import AutoConfig
+
+    from transmla.io.lazy import float32_bytes
+
+    rest = {k: v for k, v in cfg.items() if k != "model_type"}
+    return float32_bytes(AutoConfig.for_model(cfg["model_type"], **rest)) // 4
 
 
 def _count(n: float) -> str:
@@ -76,8 +68,8 @@ def _count(n: float) -> str:
 
 
 def judge_config(cfg: dict, max_params: float | None, params: int | None = None) -> str | None:
-    """Why a model must not be converted here (None: it may): the converter's own refusal, a model that
-    is not GQA/MHA attention, or a size over the cap."""
+    """Why a model must not be converted here (None: it may): the converter's own refusal (which covers
+    heads that do not group), a config without attention heads, or a size over the cap."""
     from transmla.adapters import check_config
 
     if not cfg:
@@ -86,10 +78,9 @@ def judge_config(cfg: dict, max_params: float | None, params: int | None = None)
         check_config(cfg)
     except TransMLAError as e:
         return e.problem
-    h, g = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
-    if not h or not g or h % g:
-        return f"not grouped-query attention ({g} KV heads for {h} query heads)"
-    n = params or estimate_params(cfg)
+    if not cfg.get("num_attention_heads"):  # check_config refuses heads that do not group; no heads: no attention
+        return "not grouped-query attention (no attention heads in config.json)"
+    n = params or params_of_config(cfg)
     if max_params and n and n > max_params:
         return f"{_count(n)} parameters, over the nightly cap of {_count(max_params)} (nightly.max_params)"
     return None
