@@ -1,8 +1,10 @@
 """Short-prompt check: greedy continuations, scored by a reference model and by their repetition.
 
-Perplexity averages over long windows, where late positions dominate; a conversion can look moderate
-there and still answer a short prompt with " 1000000000000000000" (early positions are hurt most).
-So every conversion is also asked a few short prompts (the paper's case-study four plus a code prompt):
+Perplexity averages over long windows and one kind of text; a conversion can look moderate there and
+still answer a short prompt with " 1000000000000000000". Measured on Qwen2.5-Coder-0.5B, that was the
+calibration text's domain (code), not the early positions: the NLL gap to the original grows with the
+position on prose (reports/ablation/qwen2.5-coder-0.5b-positions.md). So every conversion is also asked
+a few short prompts (the paper's case-study four plus a code prompt):
 
     nll        mean negative log-likelihood of the continuation under the *original* model (nats/token):
                low = text the original model finds plausible
