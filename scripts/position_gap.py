@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from ablation import ROWS, convert_row  # noqa: E402
 
 from transmla.evaluation.perplexity import tokenize_corpus  # noqa: E402
-from transmla.io.data import MAX_PATH_CHARS, TEXT_SUFFIXES, load_texts  # noqa: E402
+from transmla.io.data import _path_texts, load_texts  # noqa: E402
 from transmla.io.paths import write_text_atomic  # noqa: E402
 from transmla.io.sources import load_model  # noqa: E402
 
@@ -42,18 +42,12 @@ CODE_PACKAGES = ("json", "http", "logging", "xml/dom")
 def held_out_code() -> list[str]:
     """The CODE_PACKAGES' .py files, checked to lie past what a path: calibration of the stdlib reads."""
     lib = Path(os.__file__).parent
-    files = sorted(p for p in lib.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
-                   and not any(part.startswith(".") for part in p.relative_to(lib).parts))
-    total, read = 0, set()
-    for f in files:  # io.data._path_texts' order and cap
-        if total >= MAX_PATH_CHARS:
-            break
-        read.add(f)
-        total += len(f.read_text(encoding="utf-8", errors="replace"))
+    read = set(_path_texts(lib))  # exactly what `--cal-dataset path:<stdlib>` reads
     code = sorted(f for d in CODE_PACKAGES for f in (lib / d).glob("*.py"))
-    if seen := [str(f.relative_to(lib)) for f in code if f in read]:
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in code]
+    if seen := [str(f.relative_to(lib)) for f, t in zip(code, texts) if t in read]:
         raise SystemExit(f"held-out code is read by a stdlib calibration: {seen[:3]}")
-    return [f.read_text(encoding="utf-8", errors="replace") for f in code]
+    return texts
 
 
 def windows(ids: torch.Tensor) -> torch.Tensor:
@@ -99,7 +93,6 @@ def main() -> None:
     if bad := [r for r in rows if r not in ROWS]:
         raise SystemExit(f"unknown rows {bad}: choose from {list(ROWS)}")
     out = Path(args.out or REPO / "reports" / "ablation" / f"{args.model}-positions.json")
-    torch.manual_seed(0)
     model, tok = load_model(args.model, dtype="float32")
     sets = {"prose": windows(tokenize_corpus(tok, load_texts("c4-demo"))),
             "code": windows(tokenize_corpus(tok, held_out_code()))}
