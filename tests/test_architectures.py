@@ -426,3 +426,58 @@ def test_fast_evaluation_attention_keeps_sliding_windows(tmp_path, tiny_tokenize
         fast = use_causal_padded_sdpa(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
         with torch.no_grad():
             torch.testing.assert_close(fast(ids).logits, stock(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+# --- fine-tuning the package's classes (Mixtral, Qwen3, Gemma 3) ---------------------------------
+
+
+@pytest.mark.parametrize("family, cls_name", [("mixtral", "MixtralMLAForCausalLM"), ("qwen3", "Qwen3MLAForCausalLM"),
+                                              ("gemma3", "Gemma3MLAForCausalLM")])
+def test_finetune_of_the_package_classes(tmp_path, tiny_tokenizer, family, cls_name):
+    """A compressed export into one of transmla.models' classes fine-tunes like a stock DeepseekV3 one:
+    unfolding/folding the latent norms keeps the function, kd+lm against the original lowers the held-out
+    loss, the folded model reproduces it, only latent norms are unfolded (Qwen3 / Gemma 3 keep their query
+    norm as a norm), and the saved checkpoint loads as the same class with the same log-probs."""
+    from transmla.io.data import load_documents
+    from transmla.io.sources import load_model
+    from transmla.method.diagnostics import latent_norm_identity_error
+    from transmla.training.finetune import (FinetuneConfig, UnfoldedNorm, finetune, fold_latent_norms, mean_loss,
+                                            pack_corpus, save_finetuned, unfold_latent_norms)
+
+    src = {"mixtral": _tiny_mixtral, "qwen3": _tiny_qwen3, "gemma3": _tiny_gemma3}[family](tmp_path, tiny_tokenizer)
+    out = tmp_path / "mla"
+    convert(str(src), out, ConvertOptions(qk_rope_dim=8, kv_lora_rank=16, **CAL), progress=False)
+    corpora = {n: load_documents(n)[:20] for n in ("c4-demo", "wiki-demo")}
+    train, val, _ = pack_corpus(tiny_tokenizer, corpora, seqlen=64, val_tokens=256, seed=0)
+    x = val[:2]
+
+    def logprobs(m):
+        with torch.no_grad():
+            return torch.log_softmax(m(x, use_cache=False).logits.double(), -1)
+
+    model, _ = load_model(str(out))
+    assert type(model).__name__ == cls_name
+    ref = logprobs(model)
+    assert unfold_latent_norms(model) == model.config.num_hidden_layers  # kv_a only: no q-LoRA latent norm
+    assert all(isinstance(layer.self_attn.kv_a_layernorm, UnfoldedNorm) for layer in model.model.layers)
+    if family != "mixtral":
+        assert not any(isinstance(layer.self_attn.q_a_layernorm, UnfoldedNorm) for layer in model.model.layers)
+    assert (logprobs(model) - ref).abs().max() < 1e-4
+    fold_latent_norms(model, val)
+    assert (logprobs(model) - ref).abs().max() < 1e-4
+
+    teacher, _ = load_model(str(src))
+    cfg = FinetuneConfig(objective="kd+lm", max_tokens=8 * 4 * 64, seqlen=64, batch_size=4, lr=3e-3, warmup_ratio=0.0,
+                         eval_every=4, log_every=1, val_tokens=256, seed=0)
+    record = finetune(model, train, val, cfg, str(tmp_path / "work"), teacher=teacher)
+    assert record["steps"] == 8 and record["val_loss_after"] < record["val_loss_before"] - 0.05
+    assert record["val_kd_before"] > 0 and record["val_kd_after"] is not None
+    assert abs(mean_loss(model, val) - record["val_loss_after"]) < 1e-3  # the folded model is the trained one
+    assert latent_norm_identity_error(model, x) < 1e-5
+    saved = save_finetuned(model, tiny_tokenizer, tmp_path / "ft", record)
+    loaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    assert type(loaded).__name__ == cls_name
+    assert (logprobs(loaded) - logprobs(model)).abs().max() < 1e-5
+    if family == "gemma3":
+        with pytest.raises(TransMLAError, match="attn_weight"):
+            finetune(model, train, val, cfg.model_copy(update={"attn_weight": 1.0}), str(tmp_path / "w2"), teacher=teacher)

@@ -21,10 +21,12 @@ def latent_norm_identity_error(model, input_ids: torch.Tensor) -> float:
         err = (out.double() - ideal).norm(dim=-1) / ideal.norm(dim=-1).clamp_min(1e-30)
         worst = max(worst, err.max().item())
 
+    ranks = {"kv_a_layernorm": model.config.kv_lora_rank, "q_a_layernorm": getattr(model.config, "q_lora_rank", None)}
     for layer in model.model.layers:
-        for name in ("kv_a_layernorm", "q_a_layernorm"):
+        for name, rank in ranks.items():
             mod = getattr(layer.self_attn, name, None)
-            if mod is not None:
+            # latent norms only: a Qwen3 / Gemma 3 export's q_a_layernorm is the original's per-head query norm
+            if mod is not None and getattr(mod, "weight", None) is not None and mod.weight.shape[0] == rank:
                 hooks.append(mod.register_forward_hook(hook))
     try:
         model(input_ids=input_ids, use_cache=False)

@@ -251,15 +251,23 @@ def select_trainable(model, mode: str) -> dict:
     return {"trainable": trainable, "total": total}
 
 
-def check_stock_deepseek(model) -> None:
-    """A DeepseekV3 model (a TransMLA export or a genuine DeepSeek checkpoint: only identity-built latent
-    norms are unfolded for training, real ones are trained as norms)."""
-    if getattr(model.config, "model_type", None) != "deepseek_v3":
+def check_mla_model(model, cfg: FinetuneConfig | None = None) -> None:
+    """A converted MLA model: stock DeepseekV3 (a TransMLA export or a genuine DeepSeek checkpoint: only
+    identity-built latent norms are unfolded for training, real ones are trained as norms) or an export
+    into one of this package's classes (transmla.models: Mixtral, Qwen3, Gemma 3; their extra weights,
+    Qwen3's query norm and raw-key norm projection, Gemma's own norms, are trained as they are)."""
+    from transmla.models import Gemma3MLAConfig, MODEL_TYPES
+
+    model_type = getattr(model.config, "model_type", None)
+    if model_type != "deepseek_v3" and model_type not in MODEL_TYPES:
         raise TransMLAError(
-            f"finetune expects a converted DeepseekV3 checkpoint, got model_type={model.config.model_type!r}.",
-            "convert the model first (transmla convert / the convert stage) and fine-tune its output directory "
-            "(exports into this package's classes, Mixtral, Qwen3 and Gemma 3, are not fine-tunable yet).",
+            f"finetune expects a converted MLA checkpoint, got model_type={model_type!r}.",
+            "convert the model first (transmla convert / the convert stage) and fine-tune its output directory.",
         )
+    if cfg is not None and cfg.attn_weight > 0 and isinstance(model.config, Gemma3MLAConfig):
+        # the teacher's attention would need each layer's own RoPE and sliding-window mask
+        raise TransMLAError("per-layer attention matching (attn_weight > 0) is not built for Gemma 3 exports.",
+                            "set finetune.attn_weight: 0 (the kd / kd+lm objectives work) for this model.")
 
 
 # ---------------------------------------------------------------- training
@@ -406,7 +414,7 @@ def mean_train_loss(history: list[dict]) -> float | None:
 
 def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig, work_dir: str,
              callbacks: list | None = None, teacher=None) -> dict:
-    """Train `model` (stock DeepseekV3, in place) with Trainer; resume from `work_dir`'s last checkpoint.
+    """Train `model` (a converted MLA model, in place) with Trainer; resume from `work_dir`'s last checkpoint.
 
     teacher: the original model (any causal LM with `.model` and `.lm_head` sharing the tokenizer); needed
     by the kd objectives, used for the validation KL whenever given. On return the model is folded back to
@@ -415,7 +423,7 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
     """
     from transformers import default_data_collator
 
-    check_stock_deepseek(model)
+    check_mla_model(model, cfg)
     if cfg.needs_teacher and teacher is None:
         what = f"objective={cfg.objective!r}" if cfg.objective != "lm" else f"attn_weight={cfg.attn_weight:g}"
         raise TransMLAError(f"finetune.{what} distils from the original model, but no teacher was given.",
@@ -516,7 +524,7 @@ def finetune_on_corpora(model, tokenizer, corpora: dict[str, list[str]], cfg: Fi
     import shutil
     from pathlib import Path
 
-    check_stock_deepseek(model)
+    check_mla_model(model, cfg)
     train, val, data = pack_corpus(tokenizer, corpora, cfg.seqlen, cfg.val_tokens, cfg.seed, cfg.max_tokens)
     record = finetune(model, train, val, cfg, str(work_dir), teacher=teacher)
     record["data"] = data
