@@ -14,7 +14,8 @@ Runs:
   kd         KL from the original model, --max-tokens tokens
   kd+lm      both
   kd_attn    kd + per-layer attention matching (--attn-weight 1); kd+lm_attn likewise
-  lm_time    cross-entropy for as long as the kd run took (the teacher's forward costs time)
+  lm_time    cross-entropy for as long as the kd run took (the teacher's forward costs time);
+             lm_time_kd+lm likewise for the kd+lm run
   kd_no_wt2  kd without WikiText-2 train in the corpora
 Rows already in the JSON with the same protocol are kept (resumable); a time taken beside other work
 is not a measurement, so run it on a quiet machine.
@@ -50,8 +51,11 @@ RUNS = {  # name -> (objective, corpora filter, label, more finetune flags)
     "kd_attn": ("kd", None, "kd + per-layer attention matching", ATTN),
     "kd+lm_attn": ("kd+lm", None, "kd + lm + per-layer attention matching", ATTN),
     "lm_time": ("lm", None, "lm, as long as kd took", []),
+    "lm_time_kd+lm": ("lm", None, "lm, as long as kd + lm took", []),
     "kd_no_wt2": ("kd", "wikitext2-train", "kd, WikiText-2 train left out", []),
 }
+# equal-wall-time runs: name -> the teacher run whose seconds they get (at the lm run's tokens/s)
+TIMED = {"lm_time": "kd", "lm_time_kd+lm": "kd+lm"}
 
 
 def run_cli(args: list[str]) -> dict:
@@ -130,11 +134,11 @@ def main() -> None:
             objective, drop, label, extra = RUNS[name]
             corpora = [c for c in FINETUNE_CORPORA if c != drop]
             tokens = args.max_tokens
-            if name == "lm_time":
-                kd = next((r for r in res["rows"] if r["run"] == "kd"), None)
+            if name in TIMED:
+                kd = next((r for r in res["rows"] if r["run"] == TIMED[name]), None)
                 lm = next((r for r in res["rows"] if r["run"] == "lm"), None)
                 if kd is None or lm is None:
-                    raise SystemExit("lm_time needs the lm and kd runs first (--runs lm,kd,lm_time)")
+                    raise SystemExit(f"{name} needs the lm and {TIMED[name]} runs first (--runs lm,{TIMED[name]},{name})")
                 tokens = int(kd["seconds"] * lm["tokens_per_second"])
             r = run_cli(["finetune", "--model", str(ckpt), "--out", str(Path(tmp) / name), "--teacher", args.model,
                          "--objective", objective, "--corpora", ",".join(corpora), "--max-tokens", str(tokens),
