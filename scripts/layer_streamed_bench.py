@@ -6,6 +6,8 @@ the same WikiText-2 test windows and the largest log-prob difference is reported
 reports/layer_streamed/README.md and results.json.
 
     python scripts/layer_streamed_bench.py --models smollm2-135m qwen2.5-coder-0.5b --kv-cache-ratio 0.3125
+    python scripts/layer_streamed_bench.py --models qwen2.5-coder-0.5b --cal-batch-size 2 \
+        --out reports/layer_streamed/cal-batch-2     # fewer activations at once: the streamed peak below 0.5x
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
     ap.add_argument("--kv-cache-ratio", default="0.3125")
+    ap.add_argument("--cal-batch-size", type=int, default=None, help="calibration windows per forward (default: the CLI's)")
     ap.add_argument("--out", default=str(ROOT / "reports" / "layer_streamed"))
     a = ap.parse_args()
     from transformers import AutoConfig
@@ -63,6 +66,8 @@ def main() -> int:
 
     rows = []
     extra = ["--kv-cache-ratio", a.kv_cache_ratio]
+    if a.cal_batch_size is not None:
+        extra += ["--cal-batch-size", str(a.cal_batch_size)]
     with tempfile.TemporaryDirectory(prefix="layer-streamed-") as tmp:
         for m in a.models:
             f32 = float32_bytes(AutoConfig.from_pretrained(materialize(m))) / 2**30
@@ -76,13 +81,14 @@ def main() -> int:
                          "calibration_data_peak_gib": lay["calibration_data_peak_rss_gib"],
                          "model_wall_s": mem["wall_s"], "layers_wall_s": lay["wall_s"],
                          "model_seconds": mem["seconds"], "layers_seconds": lay["seconds"],
-                         "max_logprob_diff": diff})
+                         "cal_batch_size": a.cal_batch_size, "max_logprob_diff": diff})
             print(json.dumps(rows[-1]), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=2))
+    batch = "" if a.cal_batch_size is None else f" --cal-batch-size {a.cal_batch_size}"
     lines = ["# Layer-streamed conversion vs in memory", "",
-             f"`python scripts/layer_streamed_bench.py --models {' '.join(a.models)} --kv-cache-ratio {a.kv_cache_ratio}`: "
+             f"`python scripts/layer_streamed_bench.py --models {' '.join(a.models)} --kv-cache-ratio {a.kv_cache_ratio}{batch}`: "
              "the default conversion mode (sequential calibration, attention-aware, refit), float32 export, CPU; "
              "each conversion in its own process (peak RSS = that process's); log-probs of both exports on 4 x 256 "
              "WikiText-2 test tokens.", "",

@@ -133,7 +133,7 @@ def test_cli_defaults_are_the_params_defaults():
     conv = {a.dest: a.default for a in sub["convert"]._actions}
     o = ConvertOptions()
     for flag, field in (("freqfold", "freqfold"), ("pca", "pca"), ("cal_nsamples", "cal_nsamples"),
-                        ("cal_seqlen", "cal_seqlen"), ("seed", "seed"), ("dtype", "dtype"), ("method", "method")):
+                        ("cal_seqlen", "cal_seqlen"), ("cal_batch_size", "cal_batch_size"), ("seed", "seed"), ("dtype", "dtype"), ("method", "method")):
         assert conv[flag] == getattr(o, field), flag
     assert conv["no_balance_kv"] is (not o.balance_kv)
     # mode flags default to "unset" so that --paper can fill them; unset, they resolve to the library's

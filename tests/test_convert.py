@@ -335,6 +335,7 @@ def test_padded_sdpa_matches_sdpa_with_a_cache(tiny, which):
     (["--paper", "--calibration", "two_pass"], {"calibration": "two_pass", "refit": False, "attention_aware": False}),
     (["--paper", "--refit"], {"calibration": "parallel", "refit": True, "attention_aware": False}),
     (["--no-refit"], {"calibration": "sequential", "refit": False, "attention_aware": True}),
+    (["--load", "layers", "--cal-batch-size", "2"], {"load": "layers", "cal_batch_size": 2}),
 ])
 def test_cli_mode_flags_override_paper(argv, want):
     """--paper sets the paper's modes; a mode flag given explicitly still applies (the ablation rows)."""

@@ -96,6 +96,7 @@ def convert_options(args) -> ConvertOptions:
         balance_kv=not args.no_balance_kv, attention_aware=args.attention_aware, pca=args.pca,
         calibration=args.calibration, refit=args.refit, rorope_metric=args.rorope_metric, lossless=args.lossless,
         cal_dataset=args.cal_dataset, cal_nsamples=args.cal_nsamples, cal_seqlen=args.cal_seqlen, seed=args.seed,
+        cal_batch_size=args.cal_batch_size,
         dtype=args.dtype, device=args.device, latent_norm_eps=args.latent_norm_eps, load=args.load,
     )
 
@@ -210,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--cal-nsamples", type=int, default=CO["cal_nsamples"].default, help="calibration sequences")
     c.add_argument("--cal-seqlen", type=int, default=CO["cal_seqlen"].default, help="tokens per calibration sequence")
     c.add_argument("--seed", type=int, default=CO["seed"].default, help="calibration sampling seed")
+    c.add_argument("--cal-batch-size", type=int, default=CO["cal_batch_size"].default,
+                   help="calibration windows per forward: smaller holds fewer activations at once (peak memory), "
+                        "same statistics up to float rounding")
     c.add_argument("--dtype", default=CO["dtype"].default, help="exported weight dtype: float32 or bfloat16 (float16 is refused)")
     c.add_argument("--device", default=CO["device"].default, help="torch device for calibration")
     c.add_argument("--load", default=CO["load"].default, choices=["model", "layers"],
