@@ -7,6 +7,18 @@ import math
 import torch
 
 
+def latent_norms(model):
+    """(attention module, attribute name, norm) for every latent RMSNorm: kv_a_layernorm, and q_a_layernorm
+    where it spans the q-LoRA latent (a Qwen3 / Gemma 3 export's q_a_layernorm is the original's query norm,
+    one head wide, with its own eps: not a latent norm)."""
+    ranks = {"kv_a_layernorm": model.config.kv_lora_rank, "q_a_layernorm": getattr(model.config, "q_lora_rank", None)}
+    for layer in model.model.layers:
+        for name, rank in ranks.items():
+            norm = getattr(layer.self_attn, name, None)
+            if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape[0] == rank:
+                yield layer.self_attn, name, norm
+
+
 @torch.no_grad()
 def latent_norm_identity_error(model, input_ids: torch.Tensor) -> float:
     """Largest per-token relative error of kv_a_layernorm / q_a_layernorm against the identity they
@@ -21,13 +33,8 @@ def latent_norm_identity_error(model, input_ids: torch.Tensor) -> float:
         err = (out.double() - ideal).norm(dim=-1) / ideal.norm(dim=-1).clamp_min(1e-30)
         worst = max(worst, err.max().item())
 
-    ranks = {"kv_a_layernorm": model.config.kv_lora_rank, "q_a_layernorm": getattr(model.config, "q_lora_rank", None)}
-    for layer in model.model.layers:
-        for name, rank in ranks.items():
-            mod = getattr(layer.self_attn, name, None)
-            # latent norms only: a Qwen3 / Gemma 3 export's q_a_layernorm is the original's per-head query norm
-            if mod is not None and getattr(mod, "weight", None) is not None and mod.weight.shape[0] == rank:
-                hooks.append(mod.register_forward_hook(hook))
+    for _, _, mod in latent_norms(model):
+        hooks.append(mod.register_forward_hook(hook))
     try:
         model(input_ids=input_ids, use_cache=False)
     finally:

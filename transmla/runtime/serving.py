@@ -213,15 +213,11 @@ def use_recorded_latent_norm_eps(model) -> float:
     """Set the eps of every kv_a_layernorm / q_a_layernorm of a transformers DeepseekV3 model to the one its
     latent-norm identities were built for (`config.transmla.latent_norm_eps`); transformers otherwise uses
     a fixed 1e-6. Returns the eps. A no-op for exports built for 1e-6 (the default)."""
+    from transmla.method.diagnostics import latent_norms
+
     eps = float(model.config.transmla["latent_norm_eps"])
-    ranks = {"kv_a_layernorm": model.config.kv_lora_rank, "q_a_layernorm": getattr(model.config, "q_lora_rank", None)}
-    for m in model.modules():
-        for name, rank in ranks.items():
-            norm = getattr(m, name, None)
-            # a latent norm spans the whole latent; Qwen3 / Gemma 3 exports' q_a_layernorm is the original's
-            # per-head query norm (one head's width), with its own eps
-            if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape[0] == rank:
-                norm.variance_epsilon = eps
+    for _, _, norm in latent_norms(model):
+        norm.variance_epsilon = eps
     return eps
 
 

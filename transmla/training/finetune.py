@@ -151,12 +151,12 @@ def is_identity_norm(norm) -> bool:
 def _latent_norms(model):
     """(attention module, norm attribute name, projection attribute name, rows) for each identity norm
     (real norms, as in a genuine DeepSeek checkpoint, are left alone)."""
-    for layer in model.model.layers:
-        a = layer.self_attn
-        for norm_name, proj_name in (("kv_a_layernorm", "kv_a_proj_with_mqa"), ("q_a_layernorm", "q_a_proj")):
-            norm = getattr(a, norm_name, None)
-            if isinstance(norm, torch.nn.Module) and not isinstance(norm, UnfoldedNorm) and is_identity_norm(norm):
-                yield a, norm_name, proj_name, norm.weight.shape[0]
+    from transmla.method.diagnostics import latent_norms
+
+    proj = {"kv_a_layernorm": "kv_a_proj_with_mqa", "q_a_layernorm": "q_a_proj"}
+    for a, norm_name, norm in latent_norms(model):  # an UnfoldedNorm has no weight: never listed
+        if is_identity_norm(norm):
+            yield a, norm_name, proj[norm_name], norm.weight.shape[0]
 
 
 class UnfoldedNorm(torch.nn.Identity):
