@@ -16,6 +16,11 @@ the model's float32 size. Rows already in the JSON with the same protocol are ke
 re-runs every row's conversion (and the plain forward) only for its wall time and peak RSS, keeping
 the quality columns (conversions are deterministic): run it on a quiet machine, since a time taken
 beside other work is not a measurement.
+
+    .venv/bin/python scripts/ablation.py --model smollm2-135m --rescore
+
+adds the 4-gram loop measure (prompts.loop_fields) to rows saved before it existed, from their stored
+continuation text re-tokenized (marked in the table), and the original model's own count.
 """
 
 from __future__ import annotations
@@ -119,11 +124,30 @@ def retime(args, res: dict, out: Path, model, tok, o: ConvertOptions, rows: list
         print(json.dumps({k: r[k] for k in ("row", "budget", "seconds", "compute_seconds", "peak_rss_gib")}), flush=True)
 
 
+def rescore(res: dict, out: Path, model, tok) -> None:
+    """prompt_loops for rows without it, from each stored continuation's text re-tokenized (a decoded
+    continuation re-encodes to the same ids but for rare merges: marked `loops_from_text`)."""
+    for r in res["rows"]:
+        if "prompt_loops" in r:
+            continue
+        for p in r["prompts"]:
+            p.update(prompts.loop_fields(tok(p["continuation"], add_special_tokens=False).input_ids))
+        r["prompt_loops"] = sum(p["loops"] for p in r["prompts"])
+        r["loops_from_text"] = True
+    if "prompt_loops" not in res["original"]:
+        res["original"].update(prompts.summary(prompts.score_continuations(
+            model, tok, prompts.greedy_continuations(model, tok))))
+    save(res, out)
+
+
 def markdown(res: dict) -> str:
     def _compute(r):
         c = r.get("compute_seconds")
         fwd = r.get("plain_forward_seconds", res["plain_forward_seconds"])  # the row's own run, else the report's
         return "n/a" if c is None else f"{c:.0f} ({c / fwd:.1f}x)"
+
+    def _loops(r):
+        return "n/a" if "prompt_loops" not in r else f"{r['prompt_loops']}{'*' if r.get('loops_from_text') else ''}"
 
     pr = res["protocol"]
     in_dtype = f", forwards in {pr['eval_dtype']}" if "eval_dtype" in pr else ""
@@ -133,7 +157,10 @@ def markdown(res: dict) -> str:
              f"{res['original']['c4-demo']:.2f}. Calibration: {pr['calibration']}. Prompts: greedy "
              f"{prompts.NEW_TOKENS}-token continuations of {len(prompts.PROMPTS)} prompts; NLL = the original "
              "model's mean NLL of the continuation (nats/token); rep. = 1 - distinct/total tokens; degen. = "
-             "continuations with rep. > 0.5 or a token repeated 8 times.",
+             "continuations with rep. > 0.5 or a token repeated 8 times; loops = continuations with seq-rep-4 (1 - distinct / "
+             "total 4-grams) > 0.5 or a token repeated 8 times (unlike rep., not fired by a list of numbers; * = "
+             "recomputed from the stored text). Original model: "
+             f"{res['original'].get('prompt_degenerate', 'n/a')} degenerate, {res['original'].get('prompt_loops', 'n/a')} loops.",
              "Convert = wall time of `transmla convert`: all of it (load, tokenize, calibrate, convert, export) / "
              "its compute (calibration passes and per-layer math), the latter also as a multiple of one plain "
              "forward with logits over the same calibration tokens timed in the row's own run (this machine's speed "
@@ -141,13 +168,13 @@ def markdown(res: dict) -> str:
              f"peak RSS of the convert process; float32 model size {res['float32_gib']:.2f} GiB. Machine: "
              f"{pr['machine']}; one convert process at a time (`--retime` re-measures the times alone: run it on an "
              "idle machine).", ""]
-    lines += ["| KV cut | RoPE + rank | row | WikiText-2 | c4-demo | prompt NLL | rep. | degen. | convert s: all / compute (x fwd) | peak RSS GiB |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["| KV cut | RoPE + rank | row | WikiText-2 | c4-demo | prompt NLL | rep. | degen. | loops | convert s: all / compute (x fwd) | peak RSS GiB |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
         lines.append(
             f"| {100 * (1 - r['kv_cache_ratio']):.2f}% | {r['qk_rope_head_dim']} + {r['kv_lora_rank']} | {r['label']} | "
             f"{r['wikitext2-test']:.2f} | {r['c4-demo']:.2f} | {r['prompt_nll']:.2f} | {r['prompt_repetition']:.2f} | "
-            f"{r['prompt_degenerate']} | {'n/a' if r['seconds'] is None else format(r['seconds'], '.0f')} / {_compute(r)} | "
+            f"{r['prompt_degenerate']} | {_loops(r)} | {'n/a' if r['seconds'] is None else format(r['seconds'], '.0f')} / {_compute(r)} | "
             f"{r['peak_rss_gib']:.2f} |")
     lines += ["", "Continuations of the combined modes at each budget:", ""]
     for r in res["rows"]:
@@ -168,6 +195,7 @@ def main() -> None:
     ap.add_argument("--eval-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="dtype of the perplexity forwards (bfloat16: ~4x faster on CPUs with AMX; prompts stay float32)")
     ap.add_argument("--retime", action="store_true", help="re-measure conversion times and peak RSS of the rows only")
+    ap.add_argument("--rescore", action="store_true", help="add the 4-gram loop measure to rows saved without it")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows = DEFAULT_ROWS if args.rows == "default" else args.rows.split(",")
@@ -188,6 +216,8 @@ def main() -> None:
     model, tok = load_model(args.model, dtype="float32")
     if args.retime:
         return retime(args, res, out, model, tok, o, rows)
+    if args.rescore:
+        return rescore(res, out, model, tok)
     ref = use_causal_padded_sdpa(model)
     tests = {d: tokenize_corpus(tok, load_texts(d)) for d in DATASETS}
 

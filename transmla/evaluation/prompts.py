@@ -10,6 +10,10 @@ a few short prompts (the paper's case-study four plus a code prompt):
                low = text the original model finds plausible
     repetition 1 - distinct tokens / tokens of the continuation: ~0.1-0.3 for prose, -> 1 for a loop
     degenerate repetition > 0.5 or one token repeated 8 times in a row
+    loop       seq-rep-4 (Welleck et al. 2019): 1 - distinct 4-grams / 4-grams of the continuation.
+               Unlike `repetition` it does not fire on a list of numbers (" 1, 2, 3, 5, 7, 11, 13,": few
+               distinct tokens, no repeated 4-gram) and still fires on a phrase loop ("I am a developer.
+               I am a developer. ..."); `loops` counts continuations with loop > 0.5 or a run of 8
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ def score_continuations(reference, tokenizer, continuations: list[list[int]], pr
         logp = torch.log_softmax(reference(full).logits[0, :-1].float(), -1)
         nll = -logp[len(ids) - 1:].gather(1, full[0, len(ids):, None]).mean().item()
         rows.append({"prompt": p, "continuation": tokenizer.decode(cont), "nll": round(nll, 4),
-                     "repetition": round(repetition(cont), 4), "degenerate": is_degenerate(cont)})
+                     "repetition": round(repetition(cont), 4), "degenerate": is_degenerate(cont),
+                     **loop_fields(cont)})
     return rows
 
 
@@ -68,6 +73,18 @@ def repetition(cont: list[int]) -> float:
 
 def is_degenerate(cont: list[int]) -> bool:
     return repetition(cont) > 0.5 or _longest_run(cont) >= 8
+
+
+def loop_rate(cont: list[int], n: int = 4) -> float:
+    """seq-rep-n: 1 - distinct n-grams / n-grams (0 for a continuation shorter than n)."""
+    grams = [tuple(cont[i : i + n]) for i in range(len(cont) - n + 1)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def loop_fields(cont: list[int]) -> dict:
+    """A continuation's seq-rep-4 and whether it loops (seq-rep-4 > 0.5 or one token 8 times in a row)."""
+    rate = loop_rate(cont)
+    return {"loop": round(rate, 4), "loops": rate > 0.5 or _longest_run(cont) >= 8}
 
 
 @torch.no_grad()
@@ -80,8 +97,9 @@ def case_study(model, tokenizer, prompts=CASE_STUDY, new_tokens: int = NEW_TOKEN
 
 
 def summary(rows: list[dict]) -> dict:
-    """Mean NLL, mean repetition and the number of degenerate continuations."""
+    """Mean NLL, mean repetition, the number of degenerate continuations and of looping ones."""
     n = len(rows)
     return {"prompt_nll": round(sum(r["nll"] for r in rows) / n, 4),
             "prompt_repetition": round(sum(r["repetition"] for r in rows) / n, 4),
-            "prompt_degenerate": sum(bool(r["degenerate"]) for r in rows)}
+            "prompt_degenerate": sum(bool(r["degenerate"]) for r in rows),
+            "prompt_loops": sum(bool(r.get("loops")) for r in rows)}
