@@ -107,14 +107,16 @@ def save(res: dict, out: Path) -> None:
 
 
 def retime(args, res: dict, out: Path, model, tok, o: ConvertOptions, rows: list[str]) -> None:
-    """Conversion wall time and peak RSS of the rows `rows` again, next to a fresh plain forward."""
+    """Conversion wall time and peak RSS of the rows `rows` at the budgets --budgets again, next to a fresh
+    plain forward."""
     if not res["rows"]:
         raise SystemExit(f"--retime: {out} has no rows with this protocol; run the ablation first")
     for r in res["rows"]:  # rows not retimed keep the forward they were timed against
         r.setdefault("plain_forward_seconds", res["plain_forward_seconds"])
     res["plain_forward_seconds"] = round(plain_forward_seconds(model, tok, o), 2)
+    budgets = {float(b) for b in args.budgets.split(",")}
     for r in res["rows"]:
-        if r["row"] not in rows:
+        if r["row"] not in rows or r["budget"] not in budgets:
             continue
         with tempfile.TemporaryDirectory() as tmp:
             info = convert_row(args.model, r["budget"], ROWS[r["row"]][1], Path(tmp) / "model")
