@@ -126,6 +126,11 @@ def retime(args, res: dict, out: Path, model, tok, o: ConvertOptions, rows: list
         print(json.dumps({k: r[k] for k in ("row", "budget", "seconds", "compute_seconds", "peak_rss_gib")}), flush=True)
 
 
+def original_prompts(model, tok) -> dict:
+    """The original model's own short-prompt summary (its continuations scored by itself)."""
+    return prompts.summary(prompts.score_continuations(model, tok, prompts.greedy_continuations(model, tok)))
+
+
 def rescore(res: dict, out: Path, model, tok) -> None:
     """prompt_loops for rows without it, from each stored continuation's text re-tokenized (a decoded
     continuation re-encodes to the same ids but for rare merges: marked `loops_from_text`)."""
@@ -137,8 +142,7 @@ def rescore(res: dict, out: Path, model, tok) -> None:
         r["prompt_loops"] = sum(p["loops"] for p in r["prompts"])
         r["loops_from_text"] = True
     if "prompt_loops" not in res["original"]:
-        res["original"].update(prompts.summary(prompts.score_continuations(
-            model, tok, prompts.greedy_continuations(model, tok))))
+        res["original"].update(original_prompts(model, tok))
     save(res, out)
 
 
@@ -236,8 +240,7 @@ def main() -> None:
         res["original"] = {d: round(ppl(ref_eval, d), 3) for d in DATASETS}
         del ref_eval
     if "prompt_nll" not in res["original"]:
-        res["original"].update(prompts.summary(prompts.score_continuations(
-            model, tok, prompts.greedy_continuations(model, tok))))
+        res["original"].update(original_prompts(model, tok))
     done = {(r["row"], r["budget"]) for r in res["rows"]}
     from transformers import AutoModelForCausalLM
 

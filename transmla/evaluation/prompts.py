@@ -31,6 +31,11 @@ CASE_STUDY = PROMPTS[:4]  # the paper's case study (Table 6)
 NEW_TOKENS = 24
 
 
+def _has_run(ids: list[int], n: int = 8) -> bool:
+    """One token repeated n times in a row."""
+    return _longest_run(ids) >= n
+
+
 def _longest_run(ids: list[int]) -> int:
     best = run = 1 if ids else 0
     for a, b in zip(ids, ids[1:]):
@@ -72,7 +77,7 @@ def repetition(cont: list[int]) -> float:
 
 
 def is_degenerate(cont: list[int]) -> bool:
-    return repetition(cont) > 0.5 or _longest_run(cont) >= 8
+    return repetition(cont) > 0.5 or _has_run(cont)
 
 
 def loop_rate(cont: list[int], n: int = 4) -> float:
@@ -84,7 +89,7 @@ def loop_rate(cont: list[int], n: int = 4) -> float:
 def loop_fields(cont: list[int]) -> dict:
     """A continuation's seq-rep-4 and whether it loops (seq-rep-4 > 0.5 or one token 8 times in a row)."""
     rate = loop_rate(cont)
-    return {"loop": round(rate, 4), "loops": rate > 0.5 or _longest_run(cont) >= 8}
+    return {"loop": round(rate, 4), "loops": rate > 0.5 or _has_run(cont)}
 
 
 @torch.no_grad()
@@ -102,4 +107,4 @@ def summary(rows: list[dict]) -> dict:
     return {"prompt_nll": round(sum(r["nll"] for r in rows) / n, 4),
             "prompt_repetition": round(sum(r["repetition"] for r in rows) / n, 4),
             "prompt_degenerate": sum(bool(r["degenerate"]) for r in rows),
-            "prompt_loops": sum(bool(r.get("loops")) for r in rows)}
+            "prompt_loops": sum(bool(r["loops"]) for r in rows)}

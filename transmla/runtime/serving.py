@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from transmla.errors import TransMLAError
+from transmla.method.diagnostics import latent_norms
 
 VLLM_KV_LORA_RANK = 512  # vLLM CPU_MLA decode kernel: the only supported sizes
 VLLM_QK_ROPE_HEAD_DIM = 64
@@ -213,8 +214,6 @@ def use_recorded_latent_norm_eps(model) -> float:
     """Set the eps of every kv_a_layernorm / q_a_layernorm of a transformers DeepseekV3 model to the one its
     latent-norm identities were built for (`config.transmla.latent_norm_eps`); transformers otherwise uses
     a fixed 1e-6. Returns the eps. A no-op for exports built for 1e-6 (the default)."""
-    from transmla.method.diagnostics import latent_norms
-
     eps = float(model.config.transmla["latent_norm_eps"])
     for _, _, norm in latent_norms(model):
         norm.variance_epsilon = eps

@@ -37,6 +37,7 @@ import torch
 
 from transmla.config import FinetuneConfig
 from transmla.errors import TransMLAError
+from transmla.method.diagnostics import latent_norms
 from transmla.method.mla import norm_identity_scale
 from transmla.runtime.fast_attention import use_causal_padded_sdpa
 from transmla.runtime.serving import use_recorded_latent_norm_eps
@@ -151,8 +152,6 @@ def is_identity_norm(norm) -> bool:
 def _latent_norms(model):
     """(attention module, norm attribute name, projection attribute name, rows) for each identity norm
     (real norms, as in a genuine DeepSeek checkpoint, are left alone)."""
-    from transmla.method.diagnostics import latent_norms
-
     proj = {"kv_a_layernorm": "kv_a_proj_with_mqa", "q_a_layernorm": "q_a_proj"}
     for a, norm_name, norm in latent_norms(model):  # an UnfoldedNorm has no weight: never listed
         if is_identity_norm(norm):
