@@ -56,10 +56,12 @@ def report(profile: Profile) -> str:
         f"{profile.calibration.dataset}; TransMLA = RoRoPE + FreqFold {profile.methods.transmla.freqfold} + "
         f"BKV ({profile.methods.transmla.pca} PCA), statistics of the original model (the paper); "
         "TransMLA + seq. refit = the same steps calibrated layer by layer on the converted model, in attention's "
-        "metric, with each layer's W_UV and o_proj refit jointly by least squares to the original layer's output (this project); "
+        "metric, with each layer's W_UV and o_proj refit jointly by least squares to the original layer's output"
+        + (", RoRoPE components ranked by the score energy the queries read"
+           if profile.methods.transmla_refit.rorope_metric == "query" else "") + " (this project); "
         "MHA2MLA = 2-norm RoPE selection + joint SVD of the weights.",
         "Tokens = fine-tuning tokens after conversion and the objective in brackets (lm: next-token cross-entropy; "
-        "kd: distillation from the original model; 0: conversion only; the paper's rows use 300M-6B tokens of lm).",
+        "kd: distillation from the original model; kd+lm: both; 0: conversion only; the paper's rows use 300M-6B tokens of lm).",
     ]
     ft = profile.finetune
     if ft.budgets:

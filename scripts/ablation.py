@@ -60,15 +60,15 @@ ROWS = {
     "sequential_aa": ("+ sequential + attention-aware", ["--calibration", "sequential", "--no-refit"]),
     "refit": ("+ LS refit (one pass)", ["--paper", "--refit"]),
     "sequential_refit": ("+ sequential + LS refit", ["--paper", "--calibration", "sequential", "--refit"]),
-    "all": ("all combined (default)", []),
-    "all_qm": ("all combined, query-metric RoRoPE", ["--rorope-metric", "query"]),
+    "all": ("all combined, key-metric RoRoPE (the default until 2026-11-27)", ["--rorope-metric", "key"]),
+    "all_qm": ("all combined, query-metric RoRoPE (default)", ["--rorope-metric", "query"]),
     # Opt-in (--rows): a code model calibrated half on code. The running interpreter's standard library
     # is Python source every machine has, so the row reproduces without a code data set.
-    "all_code": ("all combined, calibration half Python source", CODE_CAL),
+    "all_code": ("all combined, key-metric RoRoPE, calibration half Python source", ["--rorope-metric", "key", *CODE_CAL]),
     "all_code_qm": ("all combined, query-metric RoRoPE, calibration half Python source", ["--rorope-metric", "query", *CODE_CAL]),
     # Opt-in: short calibration windows (the same 32,768 tokens) weight the early positions a short prompt
     # lives in 4x more than 256-token windows do.
-    "all_short": ("all combined, calibration in 512 x 64-token windows", SHORT_CAL),
+    "all_short": ("all combined, key-metric RoRoPE, calibration in 512 x 64-token windows", ["--rorope-metric", "key", *SHORT_CAL]),
     "all_code_qm_short": ("all combined, query-metric RoRoPE, calibration half Python source in 512 x 64-token windows",
                           ["--rorope-metric", "query", *CODE_CAL, *SHORT_CAL]),
 }

@@ -197,11 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(two_pass, the authors' code) or layer by layer on the converted model (sequential, default)")
     c.add_argument("--refit", action=argparse.BooleanOptionalAction, default=None,
                    help="extension: least-squares refit of the value up-projections to the original layers' outputs")
-    c.add_argument("--rorope-metric", default=CO["rorope_metric"].default, choices=["key", "query"],
-                   help="extension: rank RoRoPE components by key energy (default, the paper) or by the score energy "
-                        "the queries read (query: better for models with few KV heads, e.g. Qwen2.5-0.5B)")
+    c.add_argument("--rorope-metric", default=None, choices=["key", "query"],
+                   help="rank RoRoPE components by key energy (key, the paper) or by the score energy the queries "
+                        "read (query, default: better for models with few KV heads, e.g. Qwen2.5-0.5B)")
     c.add_argument("--paper", action="store_true",
-                   help="the paper's TransMLA: --calibration parallel --no-refit --no-attention-aware unless "
+                   help="the paper's TransMLA: --calibration parallel --no-refit --no-attention-aware --rorope-metric key unless "
                         "given explicitly (ablations: --paper --refit)")
     c.add_argument("--lossless", action="store_true", help="keep RoPE on all g*d key dims, no rank cut (exact)")
     c.add_argument("--cal-dataset", default=CO["cal_dataset"].default,
