@@ -12,7 +12,6 @@ import torch
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from transmla.convert import ConvertOptions, convert
-from transmla.config import PAPER_TRANSMLA
 from transmla.io.data import load_documents
 from transmla.method.diagnostics import latent_norm_identity_error
 from transmla.errors import TransMLAError
@@ -237,11 +236,11 @@ def sharp(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cut(sharp, tmp_path_factory):
-    """The sharp tiny model at an 87.5% KV cut, converted the paper's way (the default mode's query-metric
-    RoRoPE leaves this random model a KL of 0.17, too little for 16 steps to move reliably)."""
+    """The sharp tiny model at an 87.5% KV cut, RoRoPE by key energy (the query-metric default leaves this
+    random model a KL of 0.17, too little for 16 KD steps to move reliably)."""
     out = tmp_path_factory.mktemp("kd-src") / "mla"
     convert(str(sharp), out, ConvertOptions(kv_cache_ratio=0.125, cal_nsamples=8, cal_seqlen=64, cal_batch_size=4,
-                                            **PAPER_TRANSMLA), progress=False)
+                                            rorope_metric="key"), progress=False)
     return out
 
 
