@@ -196,6 +196,28 @@ def test_shared_key_attention_matches_sdpa(max_scores):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block", [4, 5, 64])  # several query blocks (one ragged), and one block for all 19 rows
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_shared_key_attention_blocks_match_full_scores(block, window, scaled):
+    """The query-block loop (keys up to each block's end, from its window start) equals full T x T scores
+    masked causally (and by the window), with and without per-head key scales."""
+    from transmla.pipeline.stream import shared_key_attention
+
+    g = torch.Generator().manual_seed(1)
+    B, h, T, e, r = 2, 3, 19, 8, 5
+    q, key, value = torch.randn(B, h, T, e, generator=g), torch.randn(B, T, e, generator=g), torch.randn(B, T, r, generator=g)
+    key_scale = torch.rand(B, h, T, generator=g) + 0.5 if scaled else None
+    s = 0.3 * torch.einsum("bhte,bue->bhtu", q, key)
+    if scaled:
+        s = s * key_scale[:, :, None, :]
+    t, u = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    visible = (u <= t) & ((t - u < window) if window is not None else True)
+    want = torch.softmax(s.masked_fill(~visible, float("-inf")), -1) @ value[:, None]
+    got = shared_key_attention(q, key, value, 0.3, key_scale=key_scale, window=window, block=block)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("n", [1, 5, 9])
 def test_gram_is_x_transpose_x(n):
     from transmla.method.linalg import gram

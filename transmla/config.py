@@ -93,8 +93,8 @@ class TransMLAOptions(Options):
     calibration: Literal["parallel", "two_pass", "sequential"] = "sequential"
     refit: bool = True  # extension: joint least-squares refit of W_UV and o_proj to the original layer's output (method.refit)
     # extension: RoRoPE's PCA ranks components by key energy (the paper) or by the score energy the queries
-    # read from them (method.rorope); query helps few-KV-head models (Qwen2.5-0.5B, g=2: one loop instead of
-    # several) and is neutral on SmolLM2 (reports/ablation/)
+    # read from them (method.rorope); query helps few-KV-head models (Qwen2.5-0.5B, g=2: lower perplexity, no
+    # looping continuation instead of one) and is neutral on SmolLM2 (reports/ablation/)
     rorope_metric: Literal["key", "query"] = "query"
 
     @field_validator("freqfold")
