@@ -77,18 +77,24 @@ DEFAULT_ROWS = [r for r in ROWS if r not in OPT_IN]
 DATASETS = ("wikitext2-test", "c4-demo")
 
 
-def plain_forward_seconds(model, tok, o: ConvertOptions, repeats: int = 3) -> float:
-    """One forward with logits over the calibration windows (what a conversion is compared with): the
-    median of `repeats` runs, since single runs on this machine ranged 30-38 s for SmolLM2."""
+def plain_forward_times(model, tok, o: ConvertOptions, repeats: int = 3) -> tuple[float, float]:
+    """(wall, CPU) seconds of one forward with logits over the calibration windows (what a conversion is
+    compared with), each the median of `repeats` runs: single wall times on this machine ranged 30-38 s
+    for SmolLM2, and a shared host stretches wall time but not this process's CPU time."""
     ids = calibration_windows(tok, o)
-    times = []
+    walls, cpus = [], []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         with torch.no_grad():
             for s in range(0, ids.shape[0], o.cal_batch_size):
                 model(ids[s : s + o.cal_batch_size], use_cache=False)
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+        walls.append(time.perf_counter() - t)
+        cpus.append(time.process_time() - c)
+    return sorted(walls)[len(walls) // 2], sorted(cpus)[len(cpus) // 2]
+
+
+def _set_forward(res: dict, times: tuple[float, float]) -> None:
+    res["plain_forward_seconds"], res["plain_forward_cpu_seconds"] = (round(x, 2) for x in times)
 
 
 def convert_row(source: str, budget: float, flags: list[str], out: Path) -> dict:
@@ -113,17 +119,21 @@ def retime(args, res: dict, out: Path, model, tok, o: ConvertOptions, rows: list
         raise SystemExit(f"--retime: {out} has no rows with this protocol; run the ablation first")
     for r in res["rows"]:  # rows not retimed keep the forward they were timed against
         r.setdefault("plain_forward_seconds", res["plain_forward_seconds"])
-    res["plain_forward_seconds"] = round(plain_forward_seconds(model, tok, o), 2)
+        if "plain_forward_cpu_seconds" in res:
+            r.setdefault("plain_forward_cpu_seconds", res["plain_forward_cpu_seconds"])
+    _set_forward(res, plain_forward_times(model, tok, o))
     budgets = {float(b) for b in args.budgets.split(",")}
     for r in res["rows"]:
         if r["row"] not in rows or r["budget"] not in budgets:
             continue
         with tempfile.TemporaryDirectory() as tmp:
             info = convert_row(args.model, r["budget"], ROWS[r["row"]][1], Path(tmp) / "model")
-        r.update({k: info[k] for k in ("seconds", "calibration_seconds", "compute_seconds", "peak_rss_gib")},
-                 plain_forward_seconds=res["plain_forward_seconds"])
+        r.update({k: info[k] for k in ("seconds", "calibration_seconds", "compute_seconds", "compute_cpu_seconds",
+                                       "peak_rss_gib")},
+                 plain_forward_seconds=res["plain_forward_seconds"], plain_forward_cpu_seconds=res["plain_forward_cpu_seconds"])
         save(res, out)
-        print(json.dumps({k: r[k] for k in ("row", "budget", "seconds", "compute_seconds", "peak_rss_gib")}), flush=True)
+        print(json.dumps({k: r[k] for k in ("row", "budget", "seconds", "compute_seconds", "compute_cpu_seconds",
+                                            "peak_rss_gib")}), flush=True)
 
 
 def original_prompts(model, tok) -> dict:
@@ -150,7 +160,10 @@ def markdown(res: dict) -> str:
     def _compute(r):
         c = r.get("compute_seconds")
         fwd = r.get("plain_forward_seconds", res["plain_forward_seconds"])  # the row's own run, else the report's
-        return "n/a" if c is None else f"{c:.0f} ({c / fwd:.1f}x)"
+        if c is None:
+            return "n/a"
+        cpu, cpu_fwd = r.get("compute_cpu_seconds"), r.get("plain_forward_cpu_seconds")
+        return f"{c:.0f} ({c / fwd:.1f}x)" + ("" if cpu is None or not cpu_fwd else f"; CPU {cpu / cpu_fwd:.2f}x")
 
     def _loops(r):
         return "n/a" if "prompt_loops" not in r else f"{r['prompt_loops']}{'*' if r.get('loops_from_text') else ''}"
@@ -170,7 +183,9 @@ def markdown(res: dict) -> str:
              "Convert = wall time of `transmla convert`: all of it (load, tokenize, calibrate, convert, export) / "
              "its compute (calibration passes and per-layer math), the latter also as a multiple of one plain "
              "forward with logits over the same calibration tokens timed in the row's own run (this machine's speed "
-             f"drifts between sessions; latest forward {res['plain_forward_seconds']:.1f} s); "
+             f"drifts between sessions; latest forward {res['plain_forward_seconds']:.1f} s); CPU = the same ratio in "
+             "CPU seconds of the process (all threads; time the host gives to other machines is not counted, "
+             "contention on the same cores still is; rows retimed since 2026-11-27); "
              f"peak RSS of the convert process; float32 model size {res['float32_gib']:.2f} GiB. Machine: "
              f"{pr['machine']}; one convert process at a time (`--retime` re-measures the times alone: run it on an "
              "idle machine).", ""]
@@ -234,7 +249,7 @@ def main() -> None:
         return m if eval_dtype == torch.float32 else copy.deepcopy(m).to(eval_dtype)
 
     if "original" not in res:
-        res["plain_forward_seconds"] = round(plain_forward_seconds(model, tok, o), 2)
+        _set_forward(res, plain_forward_times(model, tok, o))
         res["float32_gib"] = round(sum(p.numel() for p in model.parameters()) * 4 / 2**30, 3)
         ref_eval = for_ppl(ref)
         res["original"] = {d: round(ppl(ref_eval, d), 3) for d in DATASETS}
@@ -245,7 +260,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     todo = [(b, row) for b in [float(b) for b in args.budgets.split(",")] for row in rows if (row, b) not in done]
-    fwd = round(plain_forward_seconds(model, tok, o, repeats=1), 2) if todo else None  # this run's machine speed
+    fwd = plain_forward_times(model, tok, o, repeats=1) if todo else None  # this run's machine speed
 
     for budget in [float(b) for b in args.budgets.split(",")]:
         for row in rows:
@@ -259,7 +274,8 @@ def main() -> None:
             fast = use_causal_padded_sdpa(mla.to(eval_dtype))
             r = {"row": row, "label": label, "budget": budget, **{k: info[k] for k in (
                 "qk_rope_head_dim", "kv_lora_rank", "kv_cache_ratio", "seconds", "calibration_seconds", "compute_seconds",
-                "peak_rss_gib")}, "plain_forward_seconds": fwd,
+                "compute_cpu_seconds", "peak_rss_gib")},
+                "plain_forward_seconds": round(fwd[0], 2), "plain_forward_cpu_seconds": round(fwd[1], 2),
                 **{d: round(ppl(fast, d), 3) for d in DATASETS}, **prompts.summary(p), "prompts": p}
             res["rows"].append(r)
             res["rows"].sort(key=lambda x: (-x["kv_cache_ratio"], list(ROWS).index(x["row"])))

@@ -79,7 +79,7 @@ def cmd_convert(args) -> dict:
         return plan.to_dict()
     meta = convert(args.model, args.out, convert_options(args), cache=args.cache_dir, data_dir=args.data_dir)
     keys = ("method", "source", "qk_rope_head_dim", "kv_lora_rank", "kv_cache_ratio", "kv_cache_reduction",
-            "mean_alpha", "calibration_seconds", "compute_seconds", "seconds", "peak_rss_gib",
+            "mean_alpha", "calibration_seconds", "compute_seconds", "compute_cpu_seconds", "seconds", "peak_rss_gib",
             "calibration_data_peak_rss_gib", "conversion_peak_rss_gib", "notes")
     return {"out": str(args.out), **{k: meta[k] for k in keys}}
 

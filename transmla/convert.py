@@ -133,20 +133,21 @@ def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_di
     ids = calibration_windows(tok, o, data_dir)
     trim_heap()  # tokenizing the corpus left ~0.2 GiB of free heap (SmolLM2) that calibration would fragment
     data_peak = _data_peak()
-    t_cal = time.perf_counter()
+    t_cal, c_cal = time.perf_counter(), time.process_time()
     n = o.normalized()
     stats = collect_stats(model, ids, o.cal_batch_size, progress) if n.calibration != "sequential" else None
     stream = LayerStream(model, ids, o.cal_batch_size, progress) if o.streamed else None
     cal_seconds = time.perf_counter() - t_cal
     layers, diags = convert_layers(model, stats, spec, budget, o, progress, stream, getattr(torch, o.dtype))
     compute_seconds = time.perf_counter() - t_cal  # calibration + per-layer math: what a forward pass compares with
+    compute_cpu = time.process_time() - c_cal  # CPU time of all threads: unlike wall time, not stretched by a busy host
     del stream, stats  # the export needs the weights only
     trim_heap()  # the stream's freed pages go back before the export touches every weight page
     metadata = conversion_metadata(info, spec, budget, o, diags, ids.numel())
     config, sd = assemble(model, spec, budget, layers, o)
     write_checkpoint(out, config, sd, tok, metadata)
     return {**metadata, "calibration_seconds": round(cal_seconds, 2), "compute_seconds": round(compute_seconds, 2),
-            "seconds": round(time.perf_counter() - t0, 2), **_peaks(data_peak)}
+            "compute_cpu_seconds": round(compute_cpu, 2), "seconds": round(time.perf_counter() - t0, 2), **_peaks(data_peak)}
 
 
 def _data_peak() -> float:
@@ -208,7 +209,7 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
     ids = calibration_windows(tok, o, data_dir)
     trim_heap()
     data_peak = _data_peak()
-    t_cal = time.perf_counter()
+    t_cal, c_cal = time.perf_counter(), time.process_time()
 
     def load(i: int) -> None:
         load_module(decoder[i], f"model.layers.{i}.", ckpt, device=o.device)
@@ -268,9 +269,10 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
 
     write_checkpoint_parts(out, parts(), spec.n_layers + 1, finish)
     compute_seconds = time.perf_counter() - t_cal
+    compute_cpu = time.process_time() - c_cal
     metadata = conversion_metadata(info, spec, budget, o, diags, ids.numel())
     return {**metadata, "calibration_seconds": None, "compute_seconds": round(compute_seconds, 2),
-            "seconds": round(time.perf_counter() - t0, 2), **_peaks(data_peak)}
+            "compute_cpu_seconds": round(compute_cpu, 2), "seconds": round(time.perf_counter() - t0, 2), **_peaks(data_peak)}
 
 
 def plan_conversion(source: str, o: ConvertOptions, cache=None, rates: dict | None = None):
