@@ -80,7 +80,8 @@ DATASETS = ("wikitext2-test", "c4-demo")
 def plain_forward_times(model, tok, o: ConvertOptions, repeats: int = 3) -> tuple[float, float]:
     """(wall, CPU) seconds of one forward with logits over the calibration windows (what a conversion is
     compared with), each the median of `repeats` runs: single wall times on this machine ranged 30-38 s
-    for SmolLM2, and a shared host stretches wall time but not this process's CPU time."""
+    for SmolLM2; CPU time leaves out the time a shared host gives to other machines (not the contention
+    on the same cores)."""
     ids = calibration_windows(tok, o)
     walls, cpus = [], []
     for _ in range(repeats):

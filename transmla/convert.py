@@ -140,7 +140,7 @@ def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_di
     cal_seconds = time.perf_counter() - t_cal
     layers, diags = convert_layers(model, stats, spec, budget, o, progress, stream, getattr(torch, o.dtype))
     compute_seconds = time.perf_counter() - t_cal  # calibration + per-layer math: what a forward pass compares with
-    compute_cpu = time.process_time() - c_cal  # CPU time of all threads: unlike wall time, not stretched by a busy host
+    compute_cpu = time.process_time() - c_cal  # CPU time of all threads: time the host gives to other machines does not count
     del stream, stats  # the export needs the weights only
     trim_heap()  # the stream's freed pages go back before the export touches every weight page
     metadata = conversion_metadata(info, spec, budget, o, diags, ids.numel())
