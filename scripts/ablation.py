@@ -77,8 +77,8 @@ DEFAULT_ROWS = [r for r in ROWS if r not in OPT_IN]
 DATASETS = ("wikitext2-test", "c4-demo")
 
 
-def plain_forward_times(model, tok, o: ConvertOptions, repeats: int = 3) -> tuple[float, float]:
-    """(wall, CPU) seconds of one forward with logits over the calibration windows (what a conversion is
+def plain_forward_times(model, tok, o: ConvertOptions, repeats: int = 3) -> dict:
+    """Wall and CPU seconds (plain_forward_seconds, plain_forward_cpu_seconds) of one forward with logits over the calibration windows (what a conversion is
     compared with), each the median of `repeats` runs: single wall times on this machine ranged 30-38 s
     for SmolLM2; CPU time leaves out the time a shared host gives to other machines (not the contention
     on the same cores)."""
@@ -91,11 +91,8 @@ def plain_forward_times(model, tok, o: ConvertOptions, repeats: int = 3) -> tupl
                 model(ids[s : s + o.cal_batch_size], use_cache=False)
         walls.append(time.perf_counter() - t)
         cpus.append(time.process_time() - c)
-    return sorted(walls)[len(walls) // 2], sorted(cpus)[len(cpus) // 2]
-
-
-def _set_forward(res: dict, times: tuple[float, float]) -> None:
-    res["plain_forward_seconds"], res["plain_forward_cpu_seconds"] = (round(x, 2) for x in times)
+    return {"plain_forward_seconds": round(sorted(walls)[len(walls) // 2], 2),
+            "plain_forward_cpu_seconds": round(sorted(cpus)[len(cpus) // 2], 2)}
 
 
 def convert_row(source: str, budget: float, flags: list[str], out: Path) -> dict:
@@ -122,7 +119,8 @@ def retime(args, res: dict, out: Path, model, tok, o: ConvertOptions, rows: list
         r.setdefault("plain_forward_seconds", res["plain_forward_seconds"])
         if "plain_forward_cpu_seconds" in res:
             r.setdefault("plain_forward_cpu_seconds", res["plain_forward_cpu_seconds"])
-    _set_forward(res, plain_forward_times(model, tok, o))
+    fwd = plain_forward_times(model, tok, o)
+    res.update(fwd)
     budgets = {float(b) for b in args.budgets.split(",")}
     for r in res["rows"]:
         if r["row"] not in rows or r["budget"] not in budgets:
@@ -131,7 +129,7 @@ def retime(args, res: dict, out: Path, model, tok, o: ConvertOptions, rows: list
             info = convert_row(args.model, r["budget"], ROWS[r["row"]][1], Path(tmp) / "model")
         r.update({k: info[k] for k in ("seconds", "calibration_seconds", "compute_seconds", "compute_cpu_seconds",
                                        "peak_rss_gib")},
-                 plain_forward_seconds=res["plain_forward_seconds"], plain_forward_cpu_seconds=res["plain_forward_cpu_seconds"])
+                 **fwd)
         save(res, out)
         print(json.dumps({k: r[k] for k in ("row", "budget", "seconds", "compute_seconds", "compute_cpu_seconds",
                                             "peak_rss_gib")}), flush=True)
@@ -250,7 +248,7 @@ def main() -> None:
         return m if eval_dtype == torch.float32 else copy.deepcopy(m).to(eval_dtype)
 
     if "original" not in res:
-        _set_forward(res, plain_forward_times(model, tok, o))
+        res.update(plain_forward_times(model, tok, o))
         res["float32_gib"] = round(sum(p.numel() for p in model.parameters()) * 4 / 2**30, 3)
         ref_eval = for_ppl(ref)
         res["original"] = {d: round(ppl(ref_eval, d), 3) for d in DATASETS}
@@ -275,8 +273,7 @@ def main() -> None:
             fast = use_causal_padded_sdpa(mla.to(eval_dtype))
             r = {"row": row, "label": label, "budget": budget, **{k: info[k] for k in (
                 "qk_rope_head_dim", "kv_lora_rank", "kv_cache_ratio", "seconds", "calibration_seconds", "compute_seconds",
-                "compute_cpu_seconds", "peak_rss_gib")},
-                "plain_forward_seconds": round(fwd[0], 2), "plain_forward_cpu_seconds": round(fwd[1], 2),
+                "compute_cpu_seconds", "peak_rss_gib")}, **fwd,
                 **{d: round(ppl(fast, d), 3) for d in DATASETS}, **prompts.summary(p), "prompts": p}
             res["rows"].append(r)
             res["rows"].sort(key=lambda x: (-x["kv_cache_ratio"], list(ROWS).index(x["row"])))
