@@ -51,10 +51,10 @@ def _config_only_dir(tmp_path, cfg: dict):
     ({"model_type": "qwen3", "rope_theta": 1e6, "attention_bias": True}, "attention biases"),
     ({"model_type": "gemma3", "num_attention_heads": 4, "num_key_value_heads": 1}, "multimodal"),
     ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping"),
-    ({"model_type": "gemma2"}, "soft-capping"),
+    ({"model_type": "gemma"}, "embedding scaling"),
     ({"model_type": "qwen2_moe"}, "shared expert"),
     ({"model_type": "mixtral", "sliding_window": 4096, "rope_theta": 1e4}, "Sliding-window"),
-    ({"model_type": "gpt2"}, "handles gemma3_text, llama, mistral, mixtral, qwen2, qwen3"),
+    ({"model_type": "gpt2"}, "handles gemma2, gemma3_text, llama, mistral, mixtral, qwen2, qwen3"),
     ({"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn'"),
     ({"model_type": "llama", "rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_theta": 1e4}, "'dynamic'"),
 ])
@@ -92,8 +92,8 @@ def test_gguf_header_names_the_architecture_without_dequantising(tmp_path, monke
     assert meta["general.architecture"] == "gemma3" and meta["__tensor_names__"] == ["token_embd.weight"]
     cfg = config_from_metadata(meta)
     assert cfg["model_type"] == "gemma3_text" and (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 1)
-    _write_gguf(tmp_path / "g2.gguf", "gemma2")
-    with pytest.raises(TransMLAError, match="soft-capping"):
+    _write_gguf(tmp_path / "g2.gguf", "gemma")
+    with pytest.raises(TransMLAError, match="embedding scaling"):
         convert(f"gguf:{tmp_path / 'g2.gguf'}", tmp_path / "out", ConvertOptions(**CAL), progress=False)
     # llama.cpp files Mixtral as "llama" with experts: still recognised as MoE
     _write_gguf(tmp_path / "m.gguf", "llama", expert_count=8)
@@ -119,9 +119,9 @@ def test_unsupported_catalog_model_is_refused_without_download(tmp_path, monkeyp
 
     _no_weights(monkeypatch)
     assert source_config("gemma3-270m", cache=tmp_path)["model_type"] == "gemma3_text"
-    monkeypatch.setitem(sources.CATALOG, "gemma2-test", replace(sources.CATALOG["gemma3-270m"], model_type="gemma2"))
-    with pytest.raises(TransMLAError, match="soft-capping"):
-        convert("gemma2-test", tmp_path / "out", ConvertOptions(**CAL), cache=tmp_path, progress=False)
+    monkeypatch.setitem(sources.CATALOG, "gemma-test", replace(sources.CATALOG["gemma3-270m"], model_type="gemma"))
+    with pytest.raises(TransMLAError, match="embedding scaling"):
+        convert("gemma-test", tmp_path / "out", ConvertOptions(**CAL), cache=tmp_path, progress=False)
     assert not (tmp_path / "out").exists() and not (tmp_path / "models").exists()
     r = subprocess.run([sys.executable, "-m", "transmla.cli", "convert", "--model", "gpt2-nope/x", "--out",
                         str(tmp_path / "out2"), "--cache-dir", str(tmp_path)], capture_output=True, text=True)
@@ -412,6 +412,85 @@ def test_gemma3_default_mode_and_its_simulation(tmp_path, tiny_tokenizer):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+# --- Gemma 2: attention logit soft-capping kept (transmla.models.Gemma2MLAForCausalLM) -------------
+
+
+def _tiny_gemma2(tmp_path, tok):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                       rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, pad_token_id=0, sliding_window=16,
+                       query_pre_attn_scalar=24, attn_logit_softcapping=3.0, final_logit_softcapping=10.0,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    model = Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # Gemma norms are 1 + w: make w matter everywhere
+                p.uniform_(-0.5, 0.5)
+            elif "self_attn.q_proj" in name or "self_attn.k_proj" in name:
+                p.mul_(4)  # scores of several units, so the soft-capping (3.0) bends them
+    d = tmp_path / "tiny-gemma2"
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_lossless_conversion_of_a_gemma2(tmp_path, tiny_tokenizer):
+    """Gemma 2 (post-norms, (1 + w) weights, embedding scale, query_pre_attn_scalar, sliding and global
+    layers, attention and final logit soft-capping): lossless within 1e-3 beyond the window, same greedy
+    tokens with and without absorb (soft-capping applied to the latent scores), loads with
+    AutoModelForCausalLM after `import transmla.models`. The soft-capping matters here: without it the
+    original's log-probs move by far more than the tolerance."""
+    from transformers import AutoModelForCausalLM as Auto
+
+    src = _tiny_gemma2(tmp_path, tiny_tokenizer)
+    _check_lossless(src, tmp_path / "mla", "Gemma2MLAForCausalLM", len(tiny_tokenizer), 1, 100, 32)
+    ids = torch.randint(1, len(tiny_tokenizer), (1, 100), generator=torch.Generator().manual_seed(0))
+    capped = Auto.from_pretrained(src, dtype=torch.float32)
+    uncapped = Auto.from_pretrained(src, dtype=torch.float32, attn_logit_softcapping=None)
+    with torch.no_grad():
+        a, b = (torch.log_softmax(m(ids).logits, -1) for m in (capped, uncapped))
+    assert (a - b).abs().max() > 1e-2  # 10x the lossless tolerance
+
+
+def test_gemma2_default_mode_and_its_simulation(tmp_path, tiny_tokenizer):
+    """Default mode (sequential calibration + refit) on Gemma 2: the stream simulates a sliding and a
+    global layer (window, query_pre_attn_scalar, soft-capping) exactly as the exported modules run; the
+    fast evaluation attention keeps the soft-capping for the original and the export."""
+    from transmla.pipeline.stream import LayerStream, MLAShapes, mla_attention
+    from transmla.runtime.fast_attention import use_causal_padded_sdpa
+
+    src = _tiny_gemma2(tmp_path, tiny_tokenizer)
+    out = tmp_path / "mla"
+    meta = convert(str(src), out, ConvertOptions(qk_rope_dim=8, kv_lora_rank=24, **CAL), progress=False)
+    assert meta["options"]["calibration"] == "sequential" and meta["options"]["refit"]
+    orig = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(mla).__name__ == "Gemma2MLAForCausalLM"
+    x = torch.randn(2, 40, 64)
+    pos = torch.arange(40)[None].expand(2, -1)
+    s = MLAShapes(4, 32, 8, 24, 1e-6, tuple(meta["rope_frequencies"]))
+    for i in (0, 1):  # sliding (window 16), global
+        attn, o_attn = mla.model.layers[i].self_attn, orig.model.layers[i].self_attn
+        with torch.no_grad():
+            cos, sin = orig.model.rotary_emb(x, pos)
+            mask = torch.ones(40, 40, dtype=torch.bool).tril()
+            if o_attn.layer_type == "sliding_attention":
+                mask &= ~torch.ones(40, 40, dtype=torch.bool).tril(-mla.config.sliding_window)
+            want = attn(x, (cos, sin), torch.zeros(40, 40).masked_fill(~mask, float("-inf"))[None, None])[0]
+            got = mla_attention(x, dict(attn.state_dict()), s, cos, sin, **LayerStream._sim(o_attn, s))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    ids = torch.randint(1, len(tiny_tokenizer), (2, 80), generator=torch.Generator().manual_seed(1))
+    for path in (src, out):
+        stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        fast = use_causal_padded_sdpa(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+        with torch.no_grad():
+            torch.testing.assert_close(fast(ids).logits, stock(ids).logits, rtol=1e-4, atol=1e-4)
+
+
 def test_fast_evaluation_attention_keeps_sliding_windows(tmp_path, tiny_tokenizer):
     """The perplexity path's fused attention (runtime.fast_attention) gives Gemma 3 the same log-probs as
     its stock attention, windows included, for the original and the converted model."""
@@ -432,7 +511,7 @@ def test_fast_evaluation_attention_keeps_sliding_windows(tmp_path, tiny_tokenize
 
 
 @pytest.mark.parametrize("family, cls_name", [("mixtral", "MixtralMLAForCausalLM"), ("qwen3", "Qwen3MLAForCausalLM"),
-                                              ("gemma3", "Gemma3MLAForCausalLM")])
+                                              ("gemma3", "Gemma3MLAForCausalLM"), ("gemma2", "Gemma2MLAForCausalLM")])
 def test_finetune_of_the_package_classes(tmp_path, tiny_tokenizer, family, cls_name):
     """A compressed export into one of transmla.models' classes fine-tunes like a stock DeepseekV3 one:
     unfolding/folding the latent norms keeps the function, kd+lm against the original lowers the held-out
@@ -444,7 +523,8 @@ def test_finetune_of_the_package_classes(tmp_path, tiny_tokenizer, family, cls_n
     from transmla.training.finetune import (FinetuneConfig, UnfoldedNorm, finetune, fold_latent_norms, mean_loss,
                                             pack_corpus, save_finetuned, unfold_latent_norms)
 
-    src = {"mixtral": _tiny_mixtral, "qwen3": _tiny_qwen3, "gemma3": _tiny_gemma3}[family](tmp_path, tiny_tokenizer)
+    src = {"mixtral": _tiny_mixtral, "qwen3": _tiny_qwen3, "gemma3": _tiny_gemma3,
+           "gemma2": _tiny_gemma2}[family](tmp_path, tiny_tokenizer)
     out = tmp_path / "mla"
     convert(str(src), out, ConvertOptions(qk_rope_dim=8, kv_lora_rank=16, **CAL), progress=False)
     corpora = {n: load_documents(n)[:20] for n in ("c4-demo", "wiki-demo")}
@@ -460,7 +540,7 @@ def test_finetune_of_the_package_classes(tmp_path, tiny_tokenizer, family, cls_n
     ref = logprobs(model)
     assert unfold_latent_norms(model) == model.config.num_hidden_layers  # kv_a only: no q-LoRA latent norm
     assert all(isinstance(layer.self_attn.kv_a_layernorm, UnfoldedNorm) for layer in model.model.layers)
-    if family != "mixtral":
+    if family in ("qwen3", "gemma3"):
         assert not any(isinstance(layer.self_attn.q_a_layernorm, UnfoldedNorm) for layer in model.model.layers)
     assert (logprobs(model) - ref).abs().max() < 1e-4
     fold_latent_norms(model, val)
@@ -478,6 +558,6 @@ def test_finetune_of_the_package_classes(tmp_path, tiny_tokenizer, family, cls_n
     loaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
     assert type(loaded).__name__ == cls_name
     assert (logprobs(loaded) - logprobs(model)).abs().max() < 1e-5
-    if family == "gemma3":
+    if family in ("gemma2", "gemma3"):
         with pytest.raises(TransMLAError, match="attn_weight"):
             finetune(model, train, val, cfg.model_copy(update={"attn_weight": 1.0}), str(tmp_path / "w2"), teacher=teacher)

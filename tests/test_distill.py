@@ -17,22 +17,27 @@ def _case(seed=0, B=2, T=7, D=5, V=11):
     return h, w, ids, th, tw
 
 
-def _direct(h, w, ids, th, tw, tau):
+def _direct(h, w, ids, th, tw, tau, cap=None, t_cap=None):
     s = (h[:, :-1] @ w.T).reshape(-1, w.shape[0]).double()
+    t = (th[:, :-1] @ tw.T).reshape(-1, w.shape[0])
+    s = s if cap is None else cap * torch.tanh(s / cap)  # final logit soft-capping (Gemma 2)
+    t = t if t_cap is None else t_cap * torch.tanh(t / t_cap)
     lm = F.cross_entropy(s, ids[:, 1:].reshape(-1))
-    p = F.softmax((th[:, :-1] @ tw.T).reshape(-1, w.shape[0]) / tau, -1)
+    p = F.softmax(t / tau, -1)
     kd = (p * (p.log() - F.log_softmax(s / tau, -1))).sum(-1).mean() * tau**2
     return lm, kd
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 1000])
 @pytest.mark.parametrize("objective", ["lm", "kd", "kd+lm"])
-def test_chunked_losses_and_gradients_match_full_logits(chunk, objective):
+@pytest.mark.parametrize("caps", [(None, None), (1.5, 2.5)], ids=["plain", "softcap"])
+def test_chunked_losses_and_gradients_match_full_logits(chunk, objective, caps):
     h, w, ids, th, tw = _case()
     tau = 2.0
-    loss, parts = recovery_loss(h, w, ids, objective, th, tw, tau=tau, kd_weight=0.5, chunk=chunk)
+    loss, parts = recovery_loss(h, w, ids, objective, th, tw, tau=tau, kd_weight=0.5, chunk=chunk,
+                                softcap=caps[0], teacher_softcap=caps[1])
     gh, gw = torch.autograd.grad(loss, (h, w))
-    lm, kd = _direct(h, w, ids, th, tw, tau)
+    lm, kd = _direct(h, w, ids, th, tw, tau, *caps)
     ref = {"lm": lm, "kd": kd, "kd+lm": 0.5 * kd + lm}[objective]
     rh, rw = torch.autograd.grad(ref, (h, w))
     assert torch.allclose(loss.double(), ref, atol=1e-5)

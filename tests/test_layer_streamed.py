@@ -125,13 +125,13 @@ def test_dry_run_refuses_what_convert_refuses(tmp_path, capsys):
     assert "qwen2_moe" in capsys.readouterr().err.lower()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "gemma2"])
 def test_layer_streamed_other_architectures(tmp_path, tiny_tokenizer, arch):
-    """QK-norm (Qwen3) and Gemma 3 (sliding + global layer types: the stream starts after reading the
-    layers before the first global one) stream layer by layer to the same export."""
+    """QK-norm (Qwen3), Gemma 3 (sliding + global layer types: the stream starts after reading the
+    layers before the first global one) and Gemma 2 (soft-capping) stream layer by layer to the same export."""
     from tests import test_architectures as ta
 
-    src = {"qwen3": ta._tiny_qwen3, "gemma3": ta._tiny_gemma3}[arch](tmp_path, tiny_tokenizer)
+    src = {"qwen3": ta._tiny_qwen3, "gemma3": ta._tiny_gemma3, "gemma2": ta._tiny_gemma2}[arch](tmp_path, tiny_tokenizer)
     kw = dict(qk_rope_dim=8, kv_lora_rank=12, cal_nsamples=8, cal_seqlen=40, cal_batch_size=4)
     mem, lay = tmp_path / "mem", tmp_path / "lay"
     convert(str(src), mem, ConvertOptions(**kw), progress=False)

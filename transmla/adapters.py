@@ -1,4 +1,4 @@
-"""Model adapters: read a GQA model (Llama, Qwen2, Mistral, Mixtral, SmolLM) into one uniform description.
+"""Model adapters: read a GQA model (Llama, Qwen2/3, Mistral, Mixtral, Gemma 2/3, SmolLM) into one uniform description.
 
 Everything downstream works on `GQASpec` + per-layer `AttentionWeights`, so supporting another
 architecture means adding it here, nowhere else.
@@ -13,14 +13,15 @@ import torch
 from transmla.errors import TransMLAError
 
 # model_type -> whether q/k/v carry biases (read from the weights anyway; this is documentation).
-SUPPORTED = {"llama": False, "mistral": False, "qwen2": True, "mixtral": False, "qwen3": False, "gemma3_text": False}
+SUPPORTED = {"llama": False, "mistral": False, "qwen2": True, "mixtral": False, "qwen3": False, "gemma3_text": False,
+             "gemma2": False}
+# Gemma 2/3: converted into this package's classes keeping Gemma's own decoder layers (transmla.models)
+GEMMA = ("gemma2", "gemma3_text")
 
 # What in each known but unsupported family stock DeepSeek MLA cannot express (or this converter does
 # not carry yet): the refusal names the obstacle, not just the family.
 OBSTACLES = {
     "gemma": "(1 + w) RMSNorm weights and embedding scaling by sqrt(hidden) (not carried yet)",
-    "gemma2": "post-attention and post-feedforward norms, query_pre_attn_scalar, attention logit soft-capping "
-              "and alternating sliding-window layers (not carried yet: Gemma 3's class covers all but soft-capping)",
     "qwen2_moe": "mixture-of-experts MLP with a sigmoid-gated shared expert: no DeepSeek router computes that gate, "
                  "so it needs a model class of this package keeping Qwen2MoeSparseMoeBlock (as MixtralMLAForCausalLM "
                  "keeps Mixtral's); not built yet",
@@ -65,6 +66,8 @@ def check_config(cfg) -> None:
     fields (a transformers config or a plain dict, e.g. from a GGUF header): no weights needed."""
     mt = _get(cfg, "model_type")
     check_architecture(mt)
+    if mt == "gemma2":  # transmla.models.Gemma2MLAForCausalLM keeps Gemma 2's layers, soft-capping included
+        return
     if mt == "gemma3_text":  # transmla.models.Gemma3MLAForCausalLM keeps Gemma's RoPE and sliding layers as they are
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if _get(cfg, key, None) is not None:
@@ -154,9 +157,9 @@ def read_spec(cfg) -> GQASpec:
     """Validate a transformers config and describe it; unsupported models get one clear error."""
     check_config(cfg)
     mt = cfg.model_type
-    gemma = mt == "gemma3_text"
+    gemma = mt in GEMMA
     # Gemma 3: RoPE per layer type; the MLA class gathers the original's own cos/sin, so only a base is recorded
-    rp = dict(cfg.rope_parameters["full_attention"]) if gemma else rope_parameters(cfg)
+    rp = dict(cfg.rope_parameters["full_attention"]) if mt == "gemma3_text" else rope_parameters(cfg)
     h = cfg.num_attention_heads
     g = getattr(cfg, "num_key_value_heads", None) or h
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h

@@ -17,6 +17,9 @@ Mixtral's own sparse MoE MLP (softmax over the experts, top-k, renormalised; exp
 No stock transformers class does both: DeepSeek-V3's router scores with a sigmoid, and transformers'
 DeepSeek-V2 router never renormalises the top-k weights and always adds shared experts.
 
+`Gemma3MLAForCausalLM` / `Gemma2MLAForCausalLM`: Gemma's own model (post-norms, (1 + w) weights,
+embedding scale, sliding layers; Gemma 2's logit soft-capping) with MLA attention layers.
+
 Importing this module registers the classes with transformers' Auto classes (no remote code):
 
     import transmla.models  # noqa: F401
@@ -36,6 +39,8 @@ from transformers import (
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     Gemma3ForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3TextConfig,
 )
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
@@ -45,6 +50,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     apply_rotary_pos_emb_interleave,
     eager_attention_forward,
 )
+from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as softcapped_eager_attention
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
 
@@ -236,7 +242,91 @@ class Gemma3MLAForCausalLM(Gemma3ForCausalLM):
 AutoConfig.register(Gemma3MLAConfig.model_type, Gemma3MLAConfig, exist_ok=True)
 AutoModelForCausalLM.register(Gemma3MLAConfig, Gemma3MLAForCausalLM, exist_ok=True)
 
-MODEL_TYPES = (MixtralMLAConfig.model_type, Qwen3MLAConfig.model_type, Gemma3MLAConfig.model_type)
+
+# ----------------------------------------------------------------------------- Gemma 2
+
+
+@strict
+class Gemma2MLAConfig(Gemma2Config):
+    """Gemma2Config (everything but attention as in the original: four norms, (1 + w) weights, embedding
+    scale, final logit soft-capping, alternating sliding layers) + the MLA attention's shapes.
+    rope_plan: the original frequency index carried by each RoPE pair of the MLA head."""
+
+    model_type = "transmla_gemma2_mla"
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = None
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 256
+    v_head_dim: int = 256
+    rope_plan: list[int] | None = None
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+class Gemma2MLAAttention(DeepseekV3Attention):
+    """DeepSeek MLA inside Gemma 2's own decoder layer. As Gemma3MLAAttention (the original's cos/sin at
+    `rope_plan`, softmax scale query_pre_attn_scalar^-1/2 with the converter's sqrt((d + R) / d) folded
+    into the queries, sliding windows), without a QK-norm, plus Gemma 2's attention logit soft-capping,
+    s -> c tanh(s / c): element-wise on the scores, which MLA computes exactly, so the conversion stays
+    exact and absorb applies it to the latent scores. Soft-capped scores need Gemma 2's eager kernel (SDPA
+    has no soft-capping; the class, like Gemma 2's, does not support it), or runtime.fast_attention's."""
+
+    def __init__(self, config: Gemma2MLAConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.num_key_value_groups = 1  # expand_kv gives one key per query head
+        self.layer_type = config.layer_types[layer_idx]
+        self.is_sliding = self.layer_type == "sliding_attention"
+        self.sliding_window = config.sliding_window if self.is_sliding else None
+        d, R = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.scaling = config.query_pre_attn_scalar**-0.5 * (d / (d + R)) ** 0.5
+        self.softcap = config.attn_logit_softcapping
+        self.rope_plan = list(config.rope_plan)  # a plain attribute: from_pretrained builds on meta
+
+    mla_position_embeddings = Gemma3MLAAttention.mla_position_embeddings
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+        B, S = hidden_states.shape[:-1]
+        r, R = self.kv_lora_rank, self.qk_rope_head_dim
+        q = self.q_proj(hidden_states) if self.q_lora_rank is None else self.q_b_proj(
+            self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q_pass, q_rot = torch.split(q.view(B, S, -1, self.qk_head_dim).transpose(1, 2), [self.qk_nope_head_dim, R], -1)
+        kv_nope, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [r, R], dim=-1)
+        kv_nope = self.kv_a_layernorm(kv_nope).view(B, 1, S, r)
+        cos, sin = self.mla_position_embeddings(position_embeddings)
+        q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot.view(B, 1, S, R), cos, sin)
+        if past_key_values is not None:
+            kv_nope, k_rot = past_key_values.update(kv_nope, k_rot, self.layer_idx)
+        key_states, value_states = self.expand_kv(kv_nope, k_rot)
+        # as Gemma2Attention: the configured kernel, Gemma 2's eager (soft-capping) by default
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, softcapped_eager_attention)
+        out, weights = attention(self, torch.cat((q_pass, q_rot), dim=-1), key_states, value_states, attention_mask,
+                                 dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+                                 sliding_window=self.sliding_window, softcap=self.softcap, **kwargs)
+        return self.o_proj(out.reshape(B, S, -1).contiguous()), weights
+
+
+class Gemma2MLAForCausalLM(Gemma2ForCausalLM):
+    """Gemma2ForCausalLM whose attention layers are `Gemma2MLAAttention` (DeepSeek weight names:
+    q_proj or q_a_proj/q_a_layernorm/q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj).
+    Not servable by vLLM (no such model there)."""
+
+    config_class = Gemma2MLAConfig
+
+    def __init__(self, config: Gemma2MLAConfig):
+        super().__init__(config)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn = Gemma2MLAAttention(config, i)
+        self.post_init()
+
+
+AutoConfig.register(Gemma2MLAConfig.model_type, Gemma2MLAConfig, exist_ok=True)
+AutoModelForCausalLM.register(Gemma2MLAConfig, Gemma2MLAForCausalLM, exist_ok=True)
+
+MODEL_TYPES = (MixtralMLAConfig.model_type, Qwen3MLAConfig.model_type, Gemma3MLAConfig.model_type,
+               Gemma2MLAConfig.model_type)
 
 
 def causal_lm_class(config):
@@ -244,6 +334,8 @@ def causal_lm_class(config):
     original needs one of this module's classes."""
     if isinstance(config, Gemma3MLAConfig):
         return Gemma3MLAForCausalLM
+    if isinstance(config, Gemma2MLAConfig):
+        return Gemma2MLAForCausalLM
     if isinstance(config, Qwen3MLAConfig):
         return Qwen3MLAForCausalLM
     return MixtralMLAForCausalLM if isinstance(config, MixtralMLAConfig) else DeepseekV3ForCausalLM

@@ -55,16 +55,19 @@ def deepseek_config(
     """config.json fields for an all-dense DeepSeek-V3 model with the given MLA shapes."""
     from transformers import DeepseekV3Config
 
-    from transmla.models import Gemma3MLAConfig, MixtralMLAConfig, Qwen3MLAConfig
+    from transmla.models import Gemma2MLAConfig, Gemma3MLAConfig, MixtralMLAConfig, Qwen3MLAConfig
 
     R = 2 * len(plan)
-    if spec.model_type == "gemma3_text":  # Gemma's own layers, MLA attention (transmla.models.Gemma3MLAForCausalLM)
+    if spec.model_type in ("gemma2", "gemma3_text"):  # Gemma's own layers, MLA attention (transmla.models)
         keep = {k: v for k, v in spec.original_config.items()
                 if k not in ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype")}
-        cfg = Gemma3MLAConfig(**keep, kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank, qk_rope_head_dim=R,
-                              qk_nope_head_dim=spec.d, v_head_dim=spec.d, rope_plan=list(plan), rope_interleave=True,
-                              qk_norm_groups=spec.g, qk_norm_eps=spec.rms_norm_eps)
-        cfg.architectures = ["Gemma3MLAForCausalLM"]
+        mla = dict(kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank, qk_rope_head_dim=R, qk_nope_head_dim=spec.d,
+                   v_head_dim=spec.d, rope_plan=list(plan), rope_interleave=True)
+        if spec.model_type == "gemma2":
+            cfg = Gemma2MLAConfig(**keep, **mla)
+        else:
+            cfg = Gemma3MLAConfig(**keep, **mla, qk_norm_groups=spec.g, qk_norm_eps=spec.rms_norm_eps)
+        cfg.architectures = [f"{type(cfg).__name__[:-len('Config')]}ForCausalLM"]
         cfg.dtype = dtype
         return cfg
     rope = export_rope_parameters(spec, plan)

@@ -65,6 +65,9 @@ def conversion_metadata(source: dict, spec: GQASpec, budget: Budget, o: ConvertO
     if spec.model_type == "gemma3_text":
         notes.append("Gemma 3: its own decoder layers (four norms, embedding scale, per-layer-type RoPE, sliding "
                      "windows) with MLA attention, transmla.models.Gemma3MLAForCausalLM: transformers only, not vLLM.")
+    elif spec.model_type == "gemma2":
+        notes.append("Gemma 2: its own decoder layers (four norms, embedding scale, sliding windows, logit "
+                     "soft-capping) with MLA attention, transmla.models.Gemma2MLAForCausalLM: transformers only, not vLLM.")
     elif not is_standard(list(budget.plan), spec.d):
         notes.append("non-standard RoPE frequencies exported as LongRoPE factors: transformers only, not vLLM.")
     mean = lambda k: float(sum(d[k] for d in diags) / len(diags))  # noqa: E731

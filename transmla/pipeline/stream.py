@@ -60,16 +60,19 @@ def _rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 
 def mla_attention(x: torch.Tensor, layer: dict[str, torch.Tensor], s: MLAShapes, cos: torch.Tensor,
-                  sin: torch.Tensor, scale: float | None = None, window: int | None = None) -> torch.Tensor:
+                  sin: torch.Tensor, scale: float | None = None, window: int | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
     """Causal DeepseekV3Attention over x [B, T, D] in absorbed form (the same scores and outputs as the
     stock module; transmla.runtime.absorb). layer: MLALayer.to_tensors() in x's dtype; cos/sin
     [B, T, d] of the original model's RoPE (rotate_half layout). scale: the softmax scale (default
-    (d + R)^-1/2, DeepSeek's); window: a sliding layer's window (keys t - u < window). Returns [B, T, D]."""
-    return _output(attention_latents(x, layer, s, cos, sin, scale, window), layer, s)
+    (d + R)^-1/2, DeepSeek's); window: a sliding layer's window (keys t - u < window); softcap: Gemma 2's
+    attention logit soft-capping. Returns [B, T, D]."""
+    return _output(attention_latents(x, layer, s, cos, sin, scale, window, softcap), layer, s)
 
 
 def attention_latents(x: torch.Tensor, layer: dict[str, torch.Tensor], s: MLAShapes, cos: torch.Tensor,
-                      sin: torch.Tensor, scale: float | None = None, window: int | None = None) -> torch.Tensor:
+                      sin: torch.Tensor, scale: float | None = None, window: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """z [B, h, T, r]: each head's attention-weighted latent sum_t p_t c_t (mla_attention before W_UV and
     o_proj; all the refit needs)."""
     B, T, _ = x.shape
@@ -102,17 +105,19 @@ def attention_latents(x: torch.Tensor, layer: dict[str, torch.Tensor], s: MLASha
     w_uk = layer["kv_b_proj.weight"].view(h, 2 * d, r)[:, :d]
     q_abs = torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk)
     return shared_key_attention(torch.cat([q_abs, q_rot], -1), torch.cat([c, k_rot], -1)[:, 0], c[:, 0],
-                                1 / math.sqrt(d + R) if scale is None else scale, key_scale=key_scale, window=window)
+                                1 / math.sqrt(d + R) if scale is None else scale, key_scale=key_scale, window=window,
+                                softcap=softcap)
 
 
 def shared_key_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                          max_scores: int = 1 << 25, key_scale: torch.Tensor | None = None,
-                         window: int | None = None, block: int = 64) -> torch.Tensor:
+                         window: int | None = None, block: int = 64, softcap: float | None = None) -> torch.Tensor:
     """Causal softmax(scale q key^T) value with one key/value shared by every head (MLA's latent head).
 
     q [B, h, T, e], key [B, T, e], value [B, T, r] -> [B, h, T, r]; key_scale [B, h, T] (optional)
     multiplies the scores of head j on key t (Qwen3's key norm); window (optional) limits each query to
-    its last `window` keys (a sliding layer). The heads are folded into the query
+    its last `window` keys (a sliding layer); softcap (optional) maps every score s to softcap tanh(s /
+    softcap) before the mask (Gemma 2). The heads are folded into the query
     rows of one batched matmul: SDPA would need the key expanded to every head, a copy per head (a third
     of the conversion's attention time on SmolLM2). Queries go in blocks of `block` rows that score only
     the keys up to the block's end (from its window start), so the masked upper triangle is barely
@@ -137,6 +142,8 @@ def shared_key_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             s = s.view(B, n, nq, nk)
             if key_scale is not None:
                 s.mul_(key_scale[:, a : a + n, None, u0:t1])
+            if softcap is not None:
+                s = s.div_(softcap).tanh_().mul_(softcap)
             s.add_(mask)
             p = torch.softmax(s, -1).view(B, n * nq, nk)
             out[:, a : a + n, t0:t1] = torch.bmm(p, value[:, u0:t1]).view(B, n, nq, -1)
@@ -216,10 +223,11 @@ class LayerStream:
 
     @staticmethod
     def _sim(attn, s: MLAShapes) -> dict:
-        """The MLA simulation's softmax scale and window for a layer whose original attention is `attn`."""
+        """The MLA simulation's softmax scale, window and soft-capping for a layer whose original attention is `attn`."""
         scaling = getattr(attn, "scaling", None)
         scale = None if scaling is None or scaling == s.d**-0.5 else scaling * math.sqrt(s.d / (s.d + s.R))
-        return {"scale": scale, "window": getattr(attn, "sliding_window", None)}
+        return {"scale": scale, "window": getattr(attn, "sliding_window", None),
+                "softcap": getattr(attn, "attn_logit_softcapping", None)}
 
     def _bar(self, what: str):
         return tqdm(range(len(self.h)), desc=f"{what} layer {self.layer}", file=sys.stderr, leave=False,

@@ -377,21 +377,23 @@ def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, 
     return out[..., :rank]
 
 
-def scaled_latent_attention(query: torch.Tensor, latent: torch.Tensor, key_scale: torch.Tensor, attention_mask,
-                            scaling: float, rank: int) -> torch.Tensor:
+def scaled_latent_attention(query: torch.Tensor, latent: torch.Tensor, key_scale: torch.Tensor | None, attention_mask,
+                            scaling: float, rank: int, softcap: float | None = None) -> torch.Tensor:
     """`latent_attention` with every score of head j and key t multiplied by key_scale[j, t] (Qwen3's key
-    norm), as two batched matmuls over the latent.
+    norm) and/or soft-capped, s -> softcap tanh(s / softcap) (Gemma 2), as two batched matmuls over the latent.
 
     Args:
-        query `[B, h, S, r + R]`, latent `[B, T, r + R]`, key_scale `[B, h, T, 1]`, attention_mask and
-        scaling as in `latent_attention`, rank r.
+        query `[B, h, S, r + R]`, latent `[B, T, r + R]`, key_scale `[B, h, T, 1]` or None, attention_mask and
+        scaling as in `latent_attention`, rank r, softcap (optional).
     Returns:
         `torch.Tensor` of shape `[B, h, S, r]`.
     """
     B, h, S, _ = query.shape
     T = latent.shape[1]
     scores = torch.matmul(query, latent.unsqueeze(1).transpose(-1, -2)).float()  # [B, h, S, T]
-    scores = scores * (key_scale.transpose(-1, -2).float() * scaling)
+    scores = scores * (scaling if key_scale is None else key_scale.transpose(-1, -2).float() * scaling)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is None:
         pos = torch.arange(S, device=query.device)[:, None] + (T - S)  # bottom-right causal
         attention_mask = (pos >= torch.arange(T, device=query.device)[None, :])[None, None]
@@ -428,7 +430,7 @@ def absorbed_forward(
 
     B, S, _ = hidden_states.shape
     h, r, R, dn = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim
-    if hasattr(self, "mla_position_embeddings"):  # Gemma 3 (transmla.models): the original's cos/sin at the RoPE plan
+    if hasattr(self, "mla_position_embeddings"):  # Gemma 2/3 (transmla.models): the original's cos/sin at the RoPE plan
         position_embeddings = self.mla_position_embeddings(position_embeddings)
 
     # Queries, absorbed: [W_UK^T q_nope ; q_rope] per head.
@@ -462,11 +464,14 @@ def absorbed_forward(
         latent = torch.cat([c_all[:, 0], k_all[:, 0]], dim=-1)
 
     query = torch.cat([q_lat, q_rot], dim=-1)  # [B, h, S, r + R]
-    if scale is None:
+    softcap = getattr(self, "softcap", None)  # Gemma 2 (transmla.models.Gemma2MLAAttention)
+    if scale is None and softcap is None:
         out = latent_attention(query, latent, attention_mask, self.scaling, r)  # [B, h, S, r]
+    elif scale is None:
+        out = scaled_latent_attention(query, latent, None, attention_mask, self.scaling, r, softcap)
     else:
         latent, scale = latent.split([r + R, scale.shape[-1]], dim=-1)
-        out = scaled_latent_attention(query, latent, self.head_scale(scale), attention_mask, self.scaling, r)
+        out = scaled_latent_attention(query, latent, self.head_scale(scale), attention_mask, self.scaling, r, softcap)
 
     # Values, absorbed: W_UV folded into o_proj (or applied per head on the r-dim result).
     if "absorb_o_weight" in self._buffers:

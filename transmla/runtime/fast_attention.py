@@ -19,6 +19,11 @@ NAME = "causal_padded_sdpa"
 def causal_padded_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query [b, h, t, d+R], key [b, h or g, t, d+R], value [b, h or g, t, d] -> ([b, t, h, d], None)."""
     dv = value.shape[-1]
+    if kwargs.get("softcap") is not None:  # Gemma 2: SDPA has no soft-capping; its own eager kernel has
+        from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+        return eager_attention_forward(module, query, key, value, _window_mask(query, key, kwargs.get("sliding_window")),
+                                       dropout=0.0, scaling=scaling, softcap=kwargs["softcap"])[0], None
     if dv < query.shape[-1]:
         value = F.pad(value, (0, query.shape[-1] - dv))
     gqa = query.shape[1] != key.shape[1]  # GQA models (the originals) share K/V heads
@@ -38,6 +43,14 @@ def causal_padded_sdpa(module, query, key, value, attention_mask, scaling=None, 
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scaling,
                                          enable_gqa=gqa)
     return out[..., :dv].transpose(1, 2).contiguous(), None
+
+
+def _window_mask(query, key, window: int | None) -> torch.Tensor:
+    """Additive causal mask [tq, tk] (bottom-right aligned), limited to the last `window` keys if given."""
+    tq, tk = query.shape[-2], key.shape[-2]
+    ones = torch.ones(tq, tk, dtype=torch.bool, device=query.device)
+    visible = ones.tril(tk - tq) & (~ones.tril(tk - tq - window) if window is not None else ones)
+    return torch.zeros(tq, tk, dtype=query.dtype, device=query.device).masked_fill(~visible, float("-inf"))
 
 
 def register() -> str:

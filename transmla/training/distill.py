@@ -10,7 +10,9 @@ batch and block length. For SmolLM2 (vocab 49,152) a batch of 8 x 512 tokens in 
     lm  = mean_t -log p_s(y_t | x_<t)
     kd  = tau^2 mean_t KL(softmax(z_t / tau) || softmax(s_t / tau))     z: teacher, s: student logits
 
-tau^2 keeps the gradient's scale independent of the temperature (Hinton et al., 2015).
+tau^2 keeps the gradient's scale independent of the temperature (Hinton et al., 2015). A model with
+final logit soft-capping (Gemma 2: logits c tanh(z / c)) has it applied to each chunk's logits, as
+its own forward does.
 """
 
 from __future__ import annotations
@@ -22,29 +24,36 @@ from torch.utils.checkpoint import checkpoint
 OBJECTIVES = ("lm", "kd", "kd+lm")
 
 
+def _softcap(z: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return z if cap is None else torch.tanh(z / cap) * cap
+
+
 def _chunk_sums(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, t_h: torch.Tensor | None,
-                t_w: torch.Tensor | None, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed (lm, kd) over one chunk. h [n, D], w [V, D], labels [n], t_h [n, Dt] (no grad), t_w [V, Dt]."""
-    s = (h @ w.T).float()  # [n, V]
+                t_w: torch.Tensor | None, tau: float, cap: float | None = None,
+                t_cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed (lm, kd) over one chunk. h [n, D], w [V, D], labels [n], t_h [n, Dt] (no grad), t_w [V, Dt];
+    cap / t_cap: the student's / teacher's final logit soft-capping (None: none)."""
+    s = _softcap((h @ w.T).float(), cap)  # [n, V]
     lm = F.cross_entropy(s, labels, reduction="sum")
     if t_h is None:
         return lm, s.new_zeros(())
     with torch.no_grad():
-        t_logp = F.log_softmax((t_h @ t_w.T).float() / tau, -1)
+        t_logp = F.log_softmax(_softcap((t_h @ t_w.T).float(), t_cap) / tau, -1)
     kd = F.kl_div(F.log_softmax(s / tau, -1), t_logp, log_target=True, reduction="sum") * tau**2
     return lm, kd
 
 
 def recovery_loss(hidden: torch.Tensor, head: torch.Tensor, input_ids: torch.Tensor, objective: str = "lm",
                   teacher_hidden: torch.Tensor | None = None, teacher_head: torch.Tensor | None = None,
-                  tau: float = 1.0, kd_weight: float = 1.0, chunk: int = 1024) -> tuple[torch.Tensor, dict]:
+                  tau: float = 1.0, kd_weight: float = 1.0, chunk: int = 1024, softcap: float | None = None,
+                  teacher_softcap: float | None = None) -> tuple[torch.Tensor, dict]:
     """The training loss of `objective` and its parts (floats, per predicted token; lm is reported
     for every objective: it costs nothing once the chunk's logits exist).
 
     hidden [B, T, D]: the student's final hidden states (after the final norm); head [V, D]: its
     output weight. input_ids [B, T]: position t predicts token t+1 (no padding: packed blocks).
     teacher_hidden [B, T, Dt], teacher_head [V, Dt]: the same for the teacher (kd objectives; no grad).
-    kd+lm = kd_weight * kd + lm.
+    kd+lm = kd_weight * kd + lm. softcap / teacher_softcap: final logit soft-capping (config.final_logit_softcapping).
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r} is not one of {OBJECTIVES}")
@@ -59,7 +68,7 @@ def recovery_loss(hidden: torch.Tensor, head: torch.Tensor, input_ids: torch.Ten
     lm = kd = hidden.new_zeros((), dtype=torch.float32)
     for a in range(0, len(y), chunk):
         b = a + chunk
-        args = (h[a:b], head, y[a:b], None if t_h is None else t_h[a:b], t_w, tau)
+        args = (h[a:b], head, y[a:b], None if t_h is None else t_h[a:b], t_w, tau, softcap, teacher_softcap)
         if torch.is_grad_enabled() and (h.requires_grad or head.requires_grad):
             c_lm, c_kd = checkpoint(_chunk_sums, *args, use_reentrant=False)
         else:

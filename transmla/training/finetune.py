@@ -253,9 +253,9 @@ def select_trainable(model, mode: str) -> dict:
 def check_mla_model(model, cfg: FinetuneConfig | None = None) -> None:
     """A converted MLA model: stock DeepseekV3 (a TransMLA export or a genuine DeepSeek checkpoint: only
     identity-built latent norms are unfolded for training, real ones are trained as norms) or an export
-    into one of this package's classes (transmla.models: Mixtral, Qwen3, Gemma 3; their extra weights,
+    into one of this package's classes (transmla.models: Mixtral, Qwen3, Gemma 2/3; their extra weights,
     Qwen3's query norm and raw-key norm projection, Gemma's own norms, are trained as they are)."""
-    from transmla.models import Gemma3MLAConfig, MODEL_TYPES
+    from transmla.models import Gemma2MLAConfig, Gemma3MLAConfig, MODEL_TYPES
 
     model_type = getattr(model.config, "model_type", None)
     if model_type != "deepseek_v3" and model_type not in MODEL_TYPES:
@@ -263,9 +263,9 @@ def check_mla_model(model, cfg: FinetuneConfig | None = None) -> None:
             f"finetune expects a converted MLA checkpoint, got model_type={model_type!r}.",
             "convert the model first (transmla convert / the convert stage) and fine-tune its output directory.",
         )
-    if cfg is not None and cfg.attn_weight > 0 and isinstance(model.config, Gemma3MLAConfig):
+    if cfg is not None and cfg.attn_weight > 0 and isinstance(model.config, (Gemma2MLAConfig, Gemma3MLAConfig)):
         # the teacher's attention would need each layer's own RoPE and sliding-window mask
-        raise TransMLAError("per-layer attention matching (attn_weight > 0) is not built for Gemma 3 exports.",
+        raise TransMLAError("per-layer attention matching (attn_weight > 0) is not built for Gemma 2/3 exports.",
                             "set finetune.attn_weight: 0 (the kd / kd+lm objectives work) for this model.")
 
 
@@ -348,15 +348,18 @@ def _trainer_class():
             finally:
                 hook.remove()
             hidden, model = captured[-1], inner
-            t_h = t_w = None
+            t_h = t_w = t_cap = None
             if objective != "lm":
                 with torch.no_grad():
                     t = self.teacher
                     t_h = t.model(input_ids=input_ids.to(t.device), use_cache=False).last_hidden_state
                     t_h, t_w = t_h.to(hidden.device), t.lm_head.weight.to(hidden.device)
+                    t_cap = getattr(t.config, "final_logit_softcapping", None)  # Gemma 2
             loss, parts = recovery_loss(hidden, model.lm_head.weight, input_ids, objective, t_h, t_w,
                                         tau=self.cfg.kd_temperature, kd_weight=self.cfg.kd_weight,
-                                        chunk=self.cfg.loss_chunk)
+                                        chunk=self.cfg.loss_chunk,
+                                        softcap=getattr(model.config, "final_logit_softcapping", None),
+                                        teacher_softcap=t_cap)
             if self.match is not None:
                 attn = self.match.loss()
                 loss = loss + self.cfg.attn_weight * attn
