@@ -29,7 +29,7 @@ from transmla.pipeline.budget import Budget, resolve_budget
 from transmla.pipeline.layer import layer_step, refit_step, value_bias
 from transmla.pipeline.rotation import rotation_step
 from transmla.pipeline.stream import LayerStream, MLAShapes
-from transmla.runtime.memory import peak_rss_bytes, trim_heap
+from transmla.runtime.memory import peak_rss_bytes, release_pages, trim_heap
 
 __all__ = ["Budget", "ConvertOptions", "assemble", "convert", "convert_layers", "resolve_budget"]
 
@@ -52,9 +52,11 @@ def convert_layers(model, stats: CalibrationStats | None, spec: GQASpec, budget:
                    store_dtype: torch.dtype = torch.float64) -> tuple[list[MLALayer], list[dict]]:
     """Every layer's MLA weights and diagnostics (`iter_layers`, collected)."""
     layers, diags = [], []
-    for _, layer, diag in iter_layers(model, stats, spec, budget, o, progress, stream, store_dtype):
+    for i, layer, diag in iter_layers(model, stats, spec, budget, o, progress, stream, store_dtype):
         layers.append(layer)
         diags.append(diag)
+        # layer i's source weights are done with until the export: give their mapped pages back
+        release_pages(t for t in model.model.layers[i].state_dict().values())
     return layers, diags
 
 

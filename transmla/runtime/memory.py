@@ -57,3 +57,50 @@ def peak_rss_bytes() -> int:
 def rss_bytes() -> int | None:
     kib = _status_kib("VmRSS")
     return None if kib is None else kib * 1024
+
+
+MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim the range's pages now (clean file pages are dropped, never lost)
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """(start, end) of this process's file-backed mappings (/proc/self/maps lines with a path)."""
+    out = []
+    try:
+        for line in open("/proc/self/maps"):
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith("/"):
+                a, b = parts[0].split("-")
+                out.append((int(a, 16), int(b, 16)))
+    except OSError:
+        pass
+    return out
+
+
+def release_pages(tensors) -> int:
+    """Drop the resident pages of mmapped (file-backed) tensors from this process's RSS; returns the
+    bytes advised (0 off Linux or for tensors in anonymous memory, which are left alone).
+
+    A model loaded from float32 safetensors is mapped from the file, and every page a forward touches
+    stays resident. Once a decoder layer is converted, its source weights are not needed until the
+    export reads the MLP and norms again, so the in-memory conversion releases them layer by layer
+    instead of holding the whole model at its peak. madvise(MADV_PAGEOUT) never changes data: a clean
+    file page is re-read from the file on its next access; a page that was written (copy-on-write) is
+    not a file page any more and is only paged out to swap, if any. Only whole pages inside a tensor
+    are advised, so neighbouring tensors are not touched."""
+    fn = getattr(_LIBC, "madvise", None)
+    maps = _file_mappings()
+    if fn is None or not maps:
+        return 0
+    import mmap
+
+    page = mmap.PAGESIZE
+    done = 0
+    for t in tensors:
+        a = t.data_ptr()
+        b = a + t.numel() * t.element_size()
+        if not any(lo <= a and b <= hi for lo, hi in maps):
+            continue
+        a, b = -(-a // page) * page, b // page * page
+        if b > a and fn(ctypes.c_void_p(a), ctypes.c_size_t(b - a), ctypes.c_int(MADV_PAGEOUT)) == 0:
+            done += b - a
+    return done
