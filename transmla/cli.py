@@ -114,7 +114,9 @@ def cmd_eval(args) -> dict:
         raise TransMLAError(f"--limits {args.limits!r}: {e}", "write it as BENCHMARK=N[,BENCHMARK=N], e.g. mmlu=400.") from None
     return evaluate(materialize(args.model, args.cache_dir), tasks=tasks, limit=limit, num_fewshot=args.num_fewshot,
                     batch_size=args.batch_size if str(args.batch_size).startswith("auto") else int(args.batch_size), seed=args.seed, dtype=args.dtype, device=args.device,
-                    out_dir=args.out, data_dir=args.data_dir, protocol=args.protocol, limits=limits)
+                    out_dir=args.out, data_dir=args.data_dir, protocol=args.protocol, limits=limits,
+                    backend=args.backend, tensor_parallel=args.tensor_parallel, data_parallel=args.data_parallel,
+                    parallelize=args.parallelize)
 
 
 def cmd_finetune(args) -> dict:
@@ -262,6 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=EV["seed"].default, help="seed for sampling and lm-eval")
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     e.add_argument("--device", default="cpu")
+    e.add_argument("--backend", default=EV["backend"].default, choices=["hf", "vllm"],
+                   help="hf: lm-eval's HF model in this process; vllm: lm-eval's vLLM backend in the vLLM env "
+                        "(python -m transmla.runtime.vllm_env; MLA exports are padded for it)")
+    e.add_argument("--tensor-parallel", type=int, default=EV["tensor_parallel"].default, help="vllm: GPUs per replica")
+    e.add_argument("--data-parallel", type=int, default=EV["data_parallel"].default, help="vllm: model replicas (Ray)")
+    e.add_argument("--parallelize", action="store_true", help="hf: split the model over all visible GPUs")
     e.add_argument("--out", default=None, help="directory for results.json and samples/<task>.jsonl")
     e.set_defaults(func=cmd_eval)
     return p

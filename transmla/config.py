@@ -284,6 +284,21 @@ class EvaluationOptions(Options):
     limits: dict[str, int] = {}  # benchmark -> its own number of docs (with a limit)
     batch_size: int = Field(8, ge=1)
     seed: int = 1234
+    # hf: lm-eval's HF model in the pipeline's process; vllm: lm-eval's own vLLM backend in the vLLM env
+    # (transmla.runtime.vllm_env), which is what evaluates 7B+ models on GPUs (transmla.evaluation.benchmarks)
+    backend: Literal["hf", "vllm"] = "hf"
+    tensor_parallel: int = Field(1, ge=1)  # vllm: GPUs per model replica
+    data_parallel: int = Field(1, ge=1)  # vllm: model replicas, each on its own GPUs (lm-eval dispatches them with Ray)
+    parallelize: bool = False  # hf: split one model over all visible GPUs (lm-eval's HFLM parallelize)
+
+    @model_validator(mode="after")
+    def _backend(self):
+        if self.backend == "hf" and (self.tensor_parallel > 1 or self.data_parallel > 1):
+            raise ValueError("tensor_parallel / data_parallel are the vllm backend's; with backend hf use "
+                             "parallelize: true to split a model over GPUs")
+        if self.backend == "vllm" and self.parallelize:
+            raise ValueError("parallelize is the hf backend's; the vllm backend splits a model with tensor_parallel")
+        return self
 
     @field_validator("tasks")
     @classmethod

