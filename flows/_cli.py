@@ -100,16 +100,23 @@ class Interrupted(KeyboardInterrupt):
 
 def _signal_of(exc: BaseException) -> int | None:
     """The signal an exception stands for: Interrupted, KeyboardInterrupt (SIGINT) or Prefect's
-    TerminationSignal (its own SIGTERM handler, installed for the length of a flow run)."""
+    TerminationSignal (its own SIGTERM handler, installed for the length of a flow run), or any
+    exception raised while one of those was being handled (its __cause__ / __context__ chain): a
+    SIGTERM that lands while Prefect is still starting a task run crashes Prefect's own crash handling
+    with ValueError("Task run is not set"), whose context is the TerminationSignal."""
     import signal
 
-    if isinstance(exc, Interrupted):
-        return exc.signum
-    if isinstance(exc, KeyboardInterrupt):
-        return int(signal.SIGINT)
-    sig = getattr(exc, "signal", None)
-    if type(exc).__name__ == "TerminationSignal" and isinstance(sig, int):
-        return sig
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, Interrupted):
+            return exc.signum
+        if isinstance(exc, KeyboardInterrupt):
+            return int(signal.SIGINT)
+        sig = getattr(exc, "signal", None)
+        if type(exc).__name__ == "TerminationSignal" and isinstance(sig, int):
+            return sig
+        exc = exc.__cause__ or exc.__context__
     return None
 
 

@@ -165,3 +165,23 @@ def test_interrupted_flow_stops_cleanly_and_resumes(tmp_path, deep_tiny_dir, sig
     after = _tensor_files(store)
     assert {p: after.get(p) for p in finished} == finished, "finished steps were recomputed on the rerun"
     assert not [p for p in [*store.rglob("*"), *out.parent.glob("*")] if ".tmp" in p.name]
+
+
+def test_an_error_raised_while_handling_a_termination_counts_as_it():
+    """A SIGTERM that lands while Prefect starts a task run reaches run() as Prefect's own crash handling
+    failing (ValueError "Task run is not set", raised while handling TerminationSignal): still the
+    signal, so exit code 143 and the rerun line, not a traceback and exit 1 (seen once in CI)."""
+    from prefect.exceptions import TerminationSignal
+
+    from flows._cli import _signal_of
+
+    def crash_in_crash_handling():
+        try:
+            raise TerminationSignal(signal.SIGTERM)
+        except BaseException:
+            raise ValueError("Task run is not set")
+
+    with pytest.raises(ValueError) as e:
+        crash_in_crash_handling()
+    assert _signal_of(e.value) == signal.SIGTERM
+    assert _signal_of(ValueError("an ordinary failure")) is None
