@@ -13,6 +13,7 @@ from tasks import tracking
 from tasks.report import case_study, table1
 from transmla.errors import TransMLAError
 from transmla.evaluation.benchmarks import PROTOCOL_NOTE
+from transmla.evaluation.stats import AVERAGE_WEIGHTS, worst_case_average_se
 
 from . import _cli, layout
 from .params import Profile
@@ -35,14 +36,21 @@ def rows_of(profile: Profile) -> list[dict]:
     return rows
 
 
+def sample_note(ev) -> str:
+    """What the table's benchmark sample is, and the average's standard error it guarantees."""
+    docs = {t: ev.limits.get(t, ev.limit) for t in ev.tasks}
+    text = "the same seeded sample for every row: " + ", ".join(f"{t} {n}" for t, n in docs.items()) + " docs"
+    if set(AVERAGE_WEIGHTS) <= set(docs):
+        text += (f" (MMLU stratified by subject; the average's standard error is at most "
+                 f"{100 * worst_case_average_se(docs):.2f} points at any accuracy)")
+    return text
+
+
 @flow(name="report")
 def report(profile: Profile) -> str:
     rows = rows_of(profile)
     ev = profile.evaluation
-    limit = ("all docs" if ev.limit is None else
-             f"the same seeded sample of {ev.limit} docs per benchmark"
-             + "".join(f" ({t}: {k})" for t, k in sorted(ev.limits.items()))
-             + " for every row (MMLU stratified by subject)")
+    limit = "all docs" if ev.limit is None else sample_note(ev)
     ppl_tokens = sorted({r["ppl_tokens"] for r in rows})
     notes = [
         f"Benchmarks (lm-eval): {PROTOCOL_NOTE[ev.protocol]}; {limit}. Accuracy in % ± its standard error; "

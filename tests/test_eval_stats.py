@@ -6,8 +6,9 @@ import statistics
 
 import pytest
 
-from transmla.evaluation.stats import (Estimate, allocate, average, docs_for_average_se, estimate, paired,
-                                       sample_plan)
+from transmla.evaluation.stats import (AVERAGE_WEIGHTS, Estimate, allocate, average, cost_optimal_docs,
+                                      docs_for_average_se, estimate, paired, worst_case_average_se,
+                                      sample_plan)
 
 
 def test_allocation_is_proportional_and_complete():
@@ -92,3 +93,58 @@ def test_docs_for_the_average_se():
     assert average(cols).se <= 0.015
     cols = {c: Estimate(0.5, math.sqrt(0.25 / (n - 2)), n) for c in cols}
     assert average(cols).se > 0.015  # the smallest n that does
+
+
+COST = {"mmlu": 0.34, "arc_easy": 0.14, "arc_challenge": 0.15, "piqa": 0.18, "hellaswag": 0.50,
+        "openbookqa": 0.09, "winogrande": 0.13}
+
+
+def _seconds(docs):
+    return sum(COST[b] * n for b, n in docs.items())
+
+
+def test_cost_optimal_docs_keep_the_bound_at_the_least_cost():
+    docs = cost_optimal_docs(COST, 0.015)
+    assert worst_case_average_se(docs) <= 0.015
+    # the worst-case formula is the average's own standard error (stats.average over binomial columns)
+    cols = {b: Estimate(0.5, math.sqrt(0.25 / n), n) for b, n in docs.items()}
+    assert average(cols).se == pytest.approx(worst_case_average_se(docs))
+    # cheaper per document -> more documents (per unit of weight)
+    assert docs["openbookqa"] > docs["winogrande"] > docs["piqa"] > docs["mmlu"] > docs["hellaswag"]
+    # no allocation meeting the bound is cheaper: every uniform one and every pairwise trade of documents
+    # (keeping the variance) costs more
+    uniform = docs_for_average_se(0.015)
+    assert _seconds({b: uniform for b in COST}) > _seconds(docs)
+    w = AVERAGE_WEIGHTS
+    for a in COST:
+        for b in COST:
+            if a == b:
+                continue
+            for f in (0.8, 1.25):
+                na = docs[a] * f  # move variance from a to b, keeping sum w / n
+                nb = w[b] / (w[b] / docs[b] + w[a] / docs[a] - w[a] / na)
+                if nb > 0:
+                    assert _seconds({**docs, a: na, b: nb}) >= _seconds(docs) - 1e-6
+
+
+def test_cost_optimal_docs_with_equal_costs_halves_arc_and_respects_caps_and_floors():
+    flat = cost_optimal_docs({b: 1.0 for b in COST}, 0.015)
+    assert flat["arc_easy"] == flat["arc_challenge"] == pytest.approx(flat["mmlu"] / 2, abs=1)
+    capped = cost_optimal_docs(COST, 0.015, sizes={"openbookqa": 100})
+    assert capped["openbookqa"] == 100 and worst_case_average_se(capped) <= 0.015
+    assert capped["winogrande"] > cost_optimal_docs(COST, 0.015)["winogrande"]  # the others take up the slack
+    floored = cost_optimal_docs(COST, 0.015, floors={"mmlu": 400})
+    assert floored["mmlu"] == 400 and worst_case_average_se(floored) <= 0.015
+    assert floored["hellaswag"] < cost_optimal_docs(COST, 0.015)["hellaswag"]
+    with pytest.raises(ValueError, match="out of reach"):
+        cost_optimal_docs(COST, 0.001, sizes={b: 50 for b in COST})
+    with pytest.raises(ValueError, match="exactly"):
+        cost_optimal_docs({"mmlu": 1.0}, 0.015)
+
+
+def test_the_default_profile_sample_keeps_the_average_se_bound():
+    from flows.params import load_profile
+
+    ev = load_profile(None).evaluation
+    docs = {t: ev.limits.get(t, ev.limit) for t in ev.tasks}
+    assert worst_case_average_se(docs) <= 0.015

@@ -139,3 +139,46 @@ def docs_for_average_se(target_se: float, p: float = 0.5) -> int:
     """Docs per benchmark so that the six-column average's standard error is at most target_se (a
     fraction) when every benchmark's accuracy is p (0.5: the worst case): var = p(1-p)/n * (5 + 1/2)/36."""
     return math.ceil(p * (1 - p) * 5.5 / 36 / target_se**2)
+
+
+# The average's weight on each benchmark's sampling variance: ARC is the mean of its two sets (1/2)^2.
+AVERAGE_WEIGHTS = {"mmlu": 1.0, "arc_easy": 0.25, "arc_challenge": 0.25, "piqa": 1.0, "hellaswag": 1.0,
+                   "openbookqa": 1.0, "winogrande": 1.0}
+
+
+def worst_case_average_se(docs: dict[str, int], p: float = 0.5) -> float:
+    """The six-column average's standard error when every benchmark's accuracy is p and benchmark b is
+    scored on docs[b] documents: sqrt(p(1-p)/36 sum_b w_b / n_b)."""
+    return math.sqrt(p * (1 - p) / 36 * sum(w / docs[b] for b, w in AVERAGE_WEIGHTS.items()))
+
+
+def cost_optimal_docs(cost: dict[str, float], target_se: float, p: float = 0.5,
+                      sizes: dict[str, int] | None = None, floors: dict[str, int] | None = None) -> dict[str, int]:
+    """Docs per benchmark that make the six-column average's standard error at most target_se (a fraction)
+    when every benchmark's accuracy is p (0.5: the worst case), at the least scoring time sum_b cost_b n_b.
+
+    var(average) = p(1-p)/36 sum_b w_b / n_b (w: AVERAGE_WEIGHTS); minimising sum_b cost_b n_b under a
+    bound on it gives n_b proportional to sqrt(w_b / cost_b) (Neyman allocation with costs): cheap
+    benchmarks get more documents, expensive ones fewer (with equal costs each ARC set gets half as many as
+    the others: it carries a quarter of their weight). cost: seconds (or tokens) per document; sizes caps
+    a benchmark at its number of documents, floors holds one at a minimum (a column that must be precise
+    on its own); the others share what is left of the bound. Rounded up, so the bound holds."""
+    if set(cost) != set(AVERAGE_WEIGHTS):
+        raise ValueError(f"cost must name exactly {sorted(AVERAGE_WEIGHTS)}, got {sorted(cost)}")
+    if min(cost.values()) <= 0 or target_se <= 0:
+        raise ValueError("costs and target_se must be positive")
+    sizes, floors = sizes or {}, floors or {}
+    budget = 36 * target_se**2 / (p * (1 - p))  # the bound on sum_b w_b / n_b
+    fixed: dict[str, int] = {}
+    while True:
+        free = [b for b in AVERAGE_WEIGHTS if b not in fixed]
+        left = budget - sum(AVERAGE_WEIGHTS[b] / n for b, n in fixed.items())
+        if left <= 0:
+            raise ValueError(f"target_se={target_se} is out of reach with {fixed}")
+        scale = sum(math.sqrt(AVERAGE_WEIGHTS[b] * cost[b]) for b in free) / left
+        n = {b: scale * math.sqrt(AVERAGE_WEIGHTS[b] / cost[b]) for b in free}
+        bind = {b: sizes[b] for b in free if n[b] > sizes.get(b, math.inf)}
+        bind |= {b: floors[b] for b in free if n[b] < floors.get(b, 0)}
+        if not bind:
+            return {b: fixed.get(b) or math.ceil(n[b] - 1e-9) for b in AVERAGE_WEIGHTS}
+        fixed |= bind

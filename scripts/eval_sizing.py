@@ -1,0 +1,48 @@
+"""Size the Table-1 benchmark samples: the fewest scoring seconds for a bound on the average's standard error.
+
+Reads the per-benchmark speed an evaluation recorded (results.json of `transmla eval --out DIR` or of
+the pipeline's benchmarks step: {"speed": {benchmark: {"docs", "seconds"}}}), takes seconds per
+document as each benchmark's cost and prints the documents per benchmark that keep the six-column
+average's standard error at most --target-se at any accuracy (p = 0.5) for the least total time
+(transmla.evaluation.stats.cost_optimal_docs), next to what the measured sample cost and would cost.
+
+    .venv/bin/python scripts/eval_sizing.py /tmp/eval/results.json --target-se 0.015 [--min mmlu=400]
+
+The numbers it prints go into params/default.yaml (evaluation.limits); tests/test_eval_stats.py checks
+that the profile's sample keeps the bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from transmla.evaluation.stats import AVERAGE_WEIGHTS, cost_optimal_docs, worst_case_average_se
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", help="an evaluation's results.json (with its per-benchmark speed)")
+    ap.add_argument("--target-se", type=float, default=0.015, help="bound on the average's standard error (fraction)")
+    ap.add_argument("--min", action="append", default=[], metavar="BENCH=N",
+                    help="a benchmark's floor (e.g. mmlu=400); the others are re-solved around it")
+    a = ap.parse_args(argv)
+    speed = json.loads(Path(a.results).read_text())["speed"]
+    cost = {b: speed[b]["seconds"] / speed[b]["docs"] for b in AVERAGE_WEIGHTS}
+    floors = {k: int(v) for k, v in (m.split("=") for m in a.min)}
+    docs = cost_optimal_docs(cost, a.target_se, floors=floors)
+    measured = {b: speed[b]["docs"] for b in AVERAGE_WEIGHTS}
+    out = {
+        "cost_s_per_doc": {b: round(c, 4) for b, c in cost.items()},
+        "measured": {"docs": measured, "seconds": round(sum(speed[b]["seconds"] for b in AVERAGE_WEIGHTS), 1),
+                     "worst_case_se": round(worst_case_average_se(measured), 5)},
+        "sized": {"docs": docs, "seconds": round(sum(cost[b] * docs[b] for b in AVERAGE_WEIGHTS), 1),
+                  "worst_case_se": round(worst_case_average_se(docs), 5)},
+    }
+    print(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
