@@ -104,8 +104,8 @@ class SharedContextLM(HFLM):
         """(request index, log-likelihood, greedy) of every choice of a batch. h [B, T, D]: the batch's
         final hidden states; choices: (request index, batch row, positions predicting its tokens, the tokens).
         The output head runs once over all the batch's predicting positions, `rows` at a time: one call per
-        choice would read the whole head (vocab x D) for a few rows each time, which took a third of the
-        scoring time on SmolLM2-135M (MMLU, 4 choices of ~10 tokens per question)."""
+        choice reads the whole head (vocab x D) for a few rows each time (SmolLM2-135M, 1,420 documents of the
+        six benchmarks: 408 s of scoring with a call per choice, 342 s with one per batch)."""
         b_idx = torch.tensor([b for _, b, where, _ in choices for _ in where], device=h.device)
         t_idx = torch.tensor([t for _, _, where, _ in choices for t in where], device=h.device)
         tgt = torch.tensor([t for _, _, _, cont in choices for t in cont], device=h.device)
