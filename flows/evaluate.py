@@ -27,13 +27,16 @@ from . import _cli, layout
 from .params import Profile
 
 
-def evaluate_ref(profile: Profile, model_ref: dict, dtype: str = "float32") -> dict:
-    """{"ppl": {...}, "benchmarks": {...}, "bench_ref"} of a model ref (both cached on its content hash)."""
+def evaluate_ref(profile: Profile, model_ref: dict, dtype: str = "float32", reference: bool = False) -> dict:
+    """{"ppl": {...}, "benchmarks": {...}, "bench_ref"} of a model ref (both cached on its content hash).
+    reference: the model the table compares every row with (the original): its benchmarks also score the
+    superset evaluation.reference_limits."""
     ev = profile.evaluation
     ppl = perplexity(model_ref, dataset_ref(ev.ppl_dataset), ev.ppl_seqlen, ev.ppl_max_tokens, dtype, profile.device)
     data = [dataset_ref(n) for t in ev.tasks for n in BENCHMARK_DATA[t]]
     bench = benchmarks(model_ref, data, list(ev.tasks), ev.limit, ev.batch_size, ev.seed, dtype, profile.device,
-                       ev.protocol, dict(ev.limits), backend_of(ev))
+                       ev.protocol, dict(ev.limits), backend_of(ev),
+                       dict(ev.reference_limits) if reference else None)
     cases = case_study(model_ref, dtype=dtype, device=profile.device)
     return {"ppl": load_json(ppl), "benchmarks": json.loads((Path(bench["path"]) / "results.json").read_text()),
             "bench_ref": bench, "case_study": load_json(cases)["rows"]}
@@ -62,7 +65,7 @@ def model_under_test(profile: Profile, model: str, method: str, budget: float | 
 def evaluate(profile: Profile, model: str, method: str, budget: float | None = None, checkpoint: str | None = None,
              out: str | None = None, finetuned: bool = False) -> dict:
     model_ref, conversion = model_under_test(profile, model, method, budget, checkpoint, finetuned)
-    ev = evaluate_ref(profile, model_ref, profile.model(model).dtype)
+    ev = evaluate_ref(profile, model_ref, profile.model(model).dtype, reference=method == "original")
     row = table_row(model, method, budget, ev["ppl"], ev["benchmarks"], conversion, profile.evaluation.limit)
     row["case_study"] = ev["case_study"]
     write_text_atomic(out or layout.metrics_file(model, method, budget, finetuned), json.dumps(row, indent=2))

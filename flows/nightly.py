@@ -105,7 +105,7 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                     try:  # one model's failure never stops the others
                         if model_ref is None:
                             model_ref = resolve_model(rel["source"])  # fetches exactly this revision / version
-                            ev = evaluate_ref(profile, model_ref)
+                            ev = evaluate_ref(profile, model_ref, reference=True)
                             original = {"ppl": ev["ppl"]["ppl"], "average": ev["benchmarks"]["average"]}
                         done = _variant(profile, rel, model_ref, original, method, budget, root)
                     except Exception as e:  # noqa: BLE001

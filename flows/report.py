@@ -43,6 +43,10 @@ def sample_note(ev) -> str:
     if set(AVERAGE_WEIGHTS) <= set(docs):
         text += (f" (MMLU stratified by subject; the average's standard error is at most "
                  f"{100 * worst_case_average_se(docs):.2f} points at any accuracy)")
+    if ev.reference_limits:
+        text += ("; the Original rows score " + ", ".join(f"{t} on {n}" for t, n in ev.reference_limits.items())
+                 + " docs that include those (a larger sample for the reference's own level; every 'vs original' "
+                 "difference is paired on the shared documents)")
     return text
 
 

@@ -148,3 +148,48 @@ def test_the_default_profile_sample_keeps_the_average_se_bound():
     ev = load_profile(None).evaluation
     docs = {t: ev.limits.get(t, ev.limit) for t in ev.tasks}
     assert worst_case_average_se(docs) <= 0.015
+
+
+def test_superset_plan_contains_the_shared_sample_and_estimates_without_bias():
+    strata = {"mmlu": {"a": 100, "b": 300, "c": 7}, "piqa": {"p": 500}}
+    base = sample_plan(strata, 20, seed=3, overrides={"piqa": 30})
+    big = sample_plan(strata, 20, seed=3, overrides={"piqa": 30}, superset={"mmlu": 200})
+    assert sample_plan(strata, 20, seed=3, overrides={"piqa": 30}, superset={}) == base  # no superset: unchanged
+    assert big["p"] == base["p"]  # a benchmark not named keeps its sample
+    assert all(set(base[t]) <= set(big[t]) for t in base)  # the shared sample is inside
+    assert sum(len(big[t]) for t in ("a", "b", "c")) == 200
+    assert all(len(set(big[t])) == len(big[t]) and max(big[t]) < strata["mmlu"][t] for t in ("a", "b", "c"))
+    # within a stratum, base + added is one simple random sample: each doc equally likely over seeds
+    hits = [0] * 100
+    for s in range(400):
+        for i in sample_plan({"m": {"a": 100}}, 5, seed=s, superset={"m": 20})["a"]:
+            hits[i] += 1
+    assert statistics.mean(hits) == 80 and max(hits) < 2.3 * 80 and min(hits) > 0.3 * 80
+
+
+def test_paired_columns_use_the_shared_docs_of_a_superset_reference():
+    from transmla.evaluation.benchmarks import paired_columns
+
+    rng = random.Random(5)
+    sizes = {"piqa": {"p": 500}}
+    ref_docs = {i: float(rng.random() < 0.6) for i in range(0, 500, 2)}  # 250 docs
+    mine = {i: ref_docs[i] if i % 3 else 1.0 - ref_docs[i] for i in list(ref_docs)[:60]}  # 60 of them
+    wrap = lambda d: {"scores": {"piqa": {"p": {str(i): x for i, x in d.items()}}}, "sizes": sizes}  # noqa: E731
+    d = paired_columns(wrap(mine), wrap(ref_docs))["piqa"]
+    want = paired({"p": mine}, {"p": {i: ref_docs[i] for i in mine}}, sizes["piqa"])
+    assert d["value"] == pytest.approx(want.value) and d["se"] == pytest.approx(want.se) and d["n"] == 60
+    with pytest.raises(ValueError, match="same documents"):  # a doc the reference never scored
+        paired_columns(wrap({**mine, 1: 1.0}), wrap(ref_docs))
+
+
+def test_reference_limits_must_be_a_superset():
+    from transmla.config import EvaluationOptions
+    from transmla.errors import TransMLAError
+
+    assert EvaluationOptions(limit=100, limits={"mmlu": 146}, reference_limits={"mmlu": 1000}).reference_limits
+    with pytest.raises(TransMLAError, match="smaller than the shared sample"):
+        EvaluationOptions(limit=100, limits={"mmlu": 146}, reference_limits={"mmlu": 120})
+    with pytest.raises(TransMLAError, match="needs a limit"):
+        EvaluationOptions(reference_limits={"mmlu": 1000})
+    with pytest.raises(TransMLAError, match="unknown benchmarks"):
+        EvaluationOptions(limit=10, reference_limits={"mmlux": 1000})

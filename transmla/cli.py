@@ -112,11 +112,22 @@ def cmd_eval(args) -> dict:
         EvaluationOptions(limits=limits)
     except ValueError as e:
         raise TransMLAError(f"--limits {args.limits!r}: {e}", "write it as BENCHMARK=N[,BENCHMARK=N], e.g. mmlu=400.") from None
+    try:
+        superset = {k.strip(): int(v) for k, v in (x.split("=") for x in args.superset.split(",") if x.strip())}
+        EvaluationOptions(limit=limit, limits=limits, reference_limits=superset)
+    except TransMLAError as e:
+        raise TransMLAError(f"--superset {args.superset!r}: {e.problem}",
+                            "write it as BENCHMARK=N[,BENCHMARK=N] with N at least the sample's own size, "
+                            "e.g. mmlu=1000 with --limit 146.") from None
+    except ValueError as e:
+        raise TransMLAError(f"--superset {args.superset!r}: {e}",
+                            "write it as BENCHMARK=N[,BENCHMARK=N] with N at least the sample's own size, "
+                            "e.g. mmlu=1000 with --limit 146.") from None
     return evaluate(materialize(args.model, args.cache_dir), tasks=tasks, limit=limit, num_fewshot=args.num_fewshot,
                     batch_size=args.batch_size if str(args.batch_size).startswith("auto") else int(args.batch_size), seed=args.seed, dtype=args.dtype, device=args.device,
                     out_dir=args.out, data_dir=args.data_dir, protocol=args.protocol, limits=limits,
                     backend=args.backend, tensor_parallel=args.tensor_parallel, data_parallel=args.data_parallel,
-                    parallelize=args.parallelize)
+                    parallelize=args.parallelize, superset=superset or None)
 
 
 def cmd_finetune(args) -> dict:
@@ -257,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=int, default=EV["limit"].default,
                    help="docs per benchmark (MMLU: in all, stratified by subject), a seeded random subset; default: all")
     e.add_argument("--limits", default="", help="per-benchmark docs overriding --limit, e.g. mmlu=400")
+    e.add_argument("--superset", default="",
+                   help="score these benchmarks on more docs that include the --limit sample, e.g. mmlu=1000 "
+                        "(a reference model: other models' paired differences to it use the shared docs)")
     e.add_argument("--protocol", default=EV["protocol"].default, choices=["paper", "lm_eval"],
                    help="paper: cloze MMLU, acc_norm on every benchmark (the paper's); lm_eval: letter MMLU, acc for MMLU/WG")
     e.add_argument("--num-fewshot", type=int, default=0, help="few-shot examples (default 0, as in the paper)")

@@ -282,6 +282,9 @@ class EvaluationOptions(Options):
     protocol: Literal["paper", "lm_eval"] = "paper"
     limit: int | None = Field(None, ge=1)  # docs per benchmark (MMLU: in all, stratified by subject); None: every doc
     limits: dict[str, int] = {}  # benchmark -> its own number of docs (with a limit)
+    # benchmark -> docs the original model (the table's reference row) scores: a superset of the shared sample,
+    # so its absolute level is measured on more documents; the rows' paired differences use the shared ones
+    reference_limits: dict[str, int] = {}
     batch_size: int = Field(8, ge=1)
     seed: int = 1234
     # hf: lm-eval's HF model in the pipeline's process; vllm: lm-eval's own vLLM backend in the vLLM env
@@ -308,12 +311,22 @@ class EvaluationOptions(Options):
             raise ValueError(f"unknown benchmarks {bad}; choose from {list(BENCHMARKS)}")
         return v
 
-    @field_validator("limits")
+    @field_validator("limits", "reference_limits")
     @classmethod
-    def _limits(cls, v):
+    def _limits(cls, v, info):
         bad = [t for t in v if t not in BENCHMARKS]
         if bad:
-            raise ValueError(f"limits names unknown benchmarks {bad}; choose from {list(BENCHMARKS)}")
+            raise ValueError(f"{info.field_name} names unknown benchmarks {bad}; choose from {list(BENCHMARKS)}")
         if any(n < 1 for n in v.values()):
-            raise ValueError(f"limits must be positive numbers of docs, got {v}")
+            raise ValueError(f"{info.field_name} must be positive numbers of docs, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _reference_superset(self):
+        if self.reference_limits and self.limit is None:
+            raise ValueError("reference_limits needs a limit (with every doc scored there is no larger sample)")
+        small = {t: n for t, n in self.reference_limits.items() if n < self.limits.get(t, self.limit or 0)}
+        if small:
+            raise ValueError(f"reference_limits {small} are smaller than the shared sample "
+                             f"({ {t: self.limits.get(t, self.limit) for t in small} }): the reference must score a superset")
+        return self

@@ -180,11 +180,14 @@ def evaluate(
     data_parallel: int = 1,
     parallelize: bool = False,
     threads: int | None = None,
+    superset: dict[str, int] | None = None,
 ) -> dict:
     """Run lm-eval on a local HF model directory; return (and optionally write) a compact result.
 
     limit: docs per benchmark (MMLU: in all, stratified over subjects), None: every doc; limits: benchmark ->
-    its own number of docs (with a limit).
+    its own number of docs (with a limit); superset: benchmark -> a larger number of docs that contains that
+    sample (stats.sample_plan: the reference row's absolute level on more documents, paired_columns still
+    compares on the shared ones).
     backend: hf = lm-eval's HFLM in this process, each context's choices packed in one sequence
     (transmla.evaluation.scoring; parallelize: lm-eval's split of the model over the visible GPUs);
     vllm = lm-eval's own VLLM backend in the vLLM environment (transmla.runtime.vllm_env), with
@@ -221,7 +224,7 @@ def evaluate(
     with tempfile.TemporaryDirectory(prefix="transmla-tasks-") as tdir:
         write_task_yamls(tdir, tasks, data_dir, mmlu=mmlu_form, num_fewshot=num_fewshot)
         strata = task_strata(tasks, data_dir)
-        chosen = stats.sample_plan(strata, limit, seed, limits)
+        chosen = stats.sample_plan(strata, limit, seed, limits, superset)
         jobs = []
         for t in tasks:  # one benchmark at a time: a progress bar and a docs/s figure each
             # the lm-eval tasks with sampled docs (a stratified MMLU sample skips small subjects at small limits;
@@ -245,11 +248,12 @@ def evaluate(
     result = summarize(raw, tasks, strata, protocol)
     result["speed"] = per_task
     result.update({
-        "model": model_path, "limit": limit, "limits": limits or {}, "num_fewshot": num_fewshot, "seed": seed,
+        "model": model_path, "limit": limit, "limits": limits or {}, "superset": superset or {}, "num_fewshot": num_fewshot, "seed": seed,
         "sampling": ("all docs" if limit is None else
                      f"{limit} docs per benchmark{''.join(f', {t} {k}' for t, k in sorted((limits or {}).items()))} "
                      "(MMLU: stratified by subject, proportional), each benchmark drawn "
-                     f"without replacement by its own random.Random('{seed}/<task>')"),
+                     f"without replacement by its own random.Random('{seed}/<task>')"
+                     + "".join(f"; {t}: a superset of {k} docs" for t, k in sorted((superset or {}).items()))),
         "lm_eval_version": version,
         "seconds": round(time.perf_counter() - t0, 1),
     })
@@ -378,10 +382,18 @@ def scores_of(result: dict, task: str) -> dict[str, dict[int, float]]:
     return {k: {int(i): x for i, x in v.items()} for k, v in result["scores"][task].items()}
 
 
+def on_docs_of(reference: dict[str, dict[int, float]], model: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
+    """The reference's scores on the documents the model scored (a reference scored on a superset of the
+    model's sample: stats.sample_plan); a document the reference lacks stays missing, for paired() to refuse."""
+    return {h: {i: reference[h][i] for i in docs if i in reference.get(h, {})} for h, docs in model.items()}
+
+
 def paired_columns(result: dict, reference: dict) -> dict:
-    """Per benchmark, the ARC mean and the average: result - reference on the same documents, with the
-    paired standard error (both must be scored on the same sample: same limit and seed)."""
-    d = {t: stats.paired(scores_of(result, t), scores_of(reference, t), result["sizes"][t])
+    """Per benchmark, the ARC mean and the average: result - reference on the result's documents, with the
+    paired standard error (the reference must have scored every one of them: the same sample, or a
+    superset of it)."""
+    d = {t: stats.paired(scores_of(result, t), on_docs_of(scores_of(reference, t), scores_of(result, t)),
+                         result["sizes"][t])
          for t in result["scores"] if t in reference["scores"]}
     out = {t: e.as_dict() for t, e in d.items()}
     if "arc_easy" in d and "arc_challenge" in d:

@@ -6,7 +6,8 @@ it. Here:
 
     sample_plan    seeded docs per task, each task drawn with its own generator (adding or removing a
                    task never changes another task's documents); MMLU stratified by subject with
-                   proportional allocation, so its weight_by_size mean estimates the full one
+                   proportional allocation, so its weight_by_size mean estimates the full one; optionally
+                   a superset of that sample for the reference row (more documents, same ones included)
     estimate       weighted mean and standard error of per-document scores x_i (weights w_i = the
                    document's stratum share N_h/N over its stratum's sampled count n_h):
                        est = sum_i w_i x_i,   se^2 = n/(n-1) sum_i w_i^2 (x_i - est)^2
@@ -60,16 +61,26 @@ def allocate(sizes: dict[str, int], n: int) -> dict[str, int]:
 
 
 def sample_plan(strata: dict[str, dict[str, int]], n: int | None, seed: int,
-                overrides: dict[str, int] | None = None) -> dict[str, list[int]] | None:
+                overrides: dict[str, int] | None = None,
+                superset: dict[str, int] | None = None) -> dict[str, list[int]] | None:
     """Document indices per lm-eval task. strata: benchmark -> {lm-eval task: number of docs} (MMLU: one
     task per subject; the others: one task). n: docs per benchmark (None: every doc, no plan);
-    overrides: benchmark -> its own n."""
+    overrides: benchmark -> its own n; superset: benchmark -> a larger number of docs that contains the
+    plan's own (the reference row of a table scores its absolute level on more documents, while every
+    row's differences to it stay paired on the shared ones). Within each task the added documents are a
+    simple random sample of the rest (own generator), so base + added is one of the whole task: the
+    stratified estimate stays unbiased with the superset's per-task counts."""
     if n is None:
         return None
     plan: dict[str, list[int]] = {}
     for bench, sizes in strata.items():
-        for task, k in sorted(allocate(sizes, (overrides or {}).get(bench, n)).items()):
-            plan[task] = sorted(task_rng(seed, task).sample(range(sizes[task]), k))
+        base = allocate(sizes, (overrides or {}).get(bench, n))
+        big = allocate(sizes, max((superset or {}).get(bench, 0), sum(base.values())))
+        for task, k in sorted(base.items()):
+            docs = task_rng(seed, task).sample(range(sizes[task]), k)
+            rest = sorted(set(range(sizes[task])) - set(docs))
+            extra = max(0, big[task] - k)
+            plan[task] = sorted(docs + (task_rng(seed, task + "/superset").sample(rest, extra) if extra else []))
     return plan
 
 
