@@ -101,28 +101,30 @@ def convert_options(args) -> ConvertOptions:
     )
 
 
+def _bench_counts(flag: str, text: str, fix: str, **options) -> dict[str, int]:
+    """A BENCHMARK=N[,BENCHMARK=N] flag, validated as EvaluationOptions validates the params (`options`: the
+    other fields the check needs); one error naming the flag and its form otherwise."""
+    field = "reference_limits" if flag == "--superset" else "limits"
+    try:
+        counts = {k.strip(): int(v) for k, v in (x.split("=") for x in text.split(",") if x.strip())}
+        EvaluationOptions(**options, **{field: counts})
+    except TransMLAError as e:
+        raise TransMLAError(f"{flag} {text!r}: {e.problem}", fix) from None
+    except ValueError as e:
+        raise TransMLAError(f"{flag} {text!r}: {e}", fix) from None
+    return counts
+
+
 def cmd_eval(args) -> dict:
     from transmla.evaluation.benchmarks import evaluate
     from transmla.io.sources import materialize
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     limit = None if args.limit in (None, 0) else args.limit
-    try:
-        limits = {k.strip(): int(v) for k, v in (x.split("=") for x in args.limits.split(",") if x.strip())}
-        EvaluationOptions(limits=limits)
-    except ValueError as e:
-        raise TransMLAError(f"--limits {args.limits!r}: {e}", "write it as BENCHMARK=N[,BENCHMARK=N], e.g. mmlu=400.") from None
-    try:
-        superset = {k.strip(): int(v) for k, v in (x.split("=") for x in args.superset.split(",") if x.strip())}
-        EvaluationOptions(limit=limit, limits=limits, reference_limits=superset)
-    except TransMLAError as e:
-        raise TransMLAError(f"--superset {args.superset!r}: {e.problem}",
-                            "write it as BENCHMARK=N[,BENCHMARK=N] with N at least the sample's own size, "
-                            "e.g. mmlu=1000 with --limit 146.") from None
-    except ValueError as e:
-        raise TransMLAError(f"--superset {args.superset!r}: {e}",
-                            "write it as BENCHMARK=N[,BENCHMARK=N] with N at least the sample's own size, "
-                            "e.g. mmlu=1000 with --limit 146.") from None
+    limits = _bench_counts("--limits", args.limits, "write it as BENCHMARK=N[,BENCHMARK=N], e.g. mmlu=400.")
+    superset = _bench_counts("--superset", args.superset,
+                             "write it as BENCHMARK=N[,BENCHMARK=N] with N at least the sample's own size, "
+                             "e.g. mmlu=1000 with --limit 146.", limit=limit, limits=limits)
     return evaluate(materialize(args.model, args.cache_dir), tasks=tasks, limit=limit, num_fewshot=args.num_fewshot,
                     batch_size=args.batch_size if str(args.batch_size).startswith("auto") else int(args.batch_size), seed=args.seed, dtype=args.dtype, device=args.device,
                     out_dir=args.out, data_dir=args.data_dir, protocol=args.protocol, limits=limits,
