@@ -121,3 +121,17 @@ def test_cli_missing_data_exits_nonzero(tiny_model_dir, tmp_path):
 def test_unknown_task():
     with pytest.raises(TransMLAError, match="Unknown benchmark"):
         evaluate("/nonexistent", tasks=["squad"])
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--limits", "mmlu"], "--limits 'mmlu'"),
+    (["--limits", "mmlu=x"], "--limits 'mmlu=x'"),
+    (["--limit", "146", "--superset", "mmlu=100"], "--superset 'mmlu=100'"),
+    (["--superset", "mmlu=1000"], "--superset 'mmlu=1000'"),  # a superset needs a limit
+])
+def test_cli_bad_sample_flags_exit_2_naming_the_flag(flags, named, capsys):
+    from transmla.cli import main
+
+    assert main(["eval", "--model", "/nonexistent", *flags]) == 2  # refused before any model is read
+    err = capsys.readouterr().err
+    assert named in err and "BENCHMARK=N" in err

@@ -101,10 +101,9 @@ def convert_options(args) -> ConvertOptions:
     )
 
 
-def _bench_counts(flag: str, text: str, fix: str, **options) -> dict[str, int]:
-    """A BENCHMARK=N[,BENCHMARK=N] flag, validated as EvaluationOptions validates the params (`options`: the
-    other fields the check needs); one error naming the flag and its form otherwise."""
-    field = "reference_limits" if flag == "--superset" else "limits"
+def _bench_counts(flag: str, field: str, text: str, fix: str, **options) -> dict[str, int]:
+    """A BENCHMARK=N[,BENCHMARK=N] flag for EvaluationOptions' `field`, validated as the params are (`options`:
+    the other fields the check needs); one error naming the flag and its form otherwise."""
     try:
         counts = {k.strip(): int(v) for k, v in (x.split("=") for x in text.split(",") if x.strip())}
         EvaluationOptions(**options, **{field: counts})
@@ -121,8 +120,8 @@ def cmd_eval(args) -> dict:
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     limit = None if args.limit in (None, 0) else args.limit
-    limits = _bench_counts("--limits", args.limits, "write it as BENCHMARK=N[,BENCHMARK=N], e.g. mmlu=400.")
-    superset = _bench_counts("--superset", args.superset,
+    limits = _bench_counts("--limits", "limits", args.limits, "write it as BENCHMARK=N[,BENCHMARK=N], e.g. mmlu=400.")
+    superset = _bench_counts("--superset", "reference_limits", args.superset,
                              "write it as BENCHMARK=N[,BENCHMARK=N] with N at least the sample's own size, "
                              "e.g. mmlu=1000 with --limit 146.", limit=limit, limits=limits)
     return evaluate(materialize(args.model, args.cache_dir), tasks=tasks, limit=limit, num_fewshot=args.num_fewshot,
