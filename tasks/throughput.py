@@ -35,6 +35,9 @@ RUNS = (("original", "original", "hf"), ("original static", "original", "static"
         ("converted hf", "converted", "hf"), ("converted absorb", "converted", "absorb"))
 FULL_RUNS = tuple(r for r in RUNS if r[2] != "static")  # the whole paper run uses generate's own caches
 BASELINES = ("original", "original static")
+# the runs in their best form: with `packed_weights`, every linear layer on weights prepacked for the
+# batch (transmla.runtime.packed; CPU float32), the original's best baseline as much as the absorbed MLA
+PACKED_RUNS = ("original static", "converted absorb")
 
 
 def median_row(rows: list[dict]) -> dict:
@@ -50,7 +53,7 @@ def median_row(rows: list[dict]) -> dict:
 @cached_task("throughput")
 def throughput(original: dict, converted: dict, contexts: list[int], batch: int, steps: int,
                full_contexts: list[int], threads: int | None, cache_memory_gib: float, device: str = "cpu",
-               repeats: int = 3) -> dict:
+               repeats: int = 3, packed_weights: bool = False) -> dict:
     """-> ref to {"decode": [rows], "full": [rows], "kv": {...}, "bandwidth": {...}} for every run."""
     from tqdm.auto import tqdm
 
@@ -65,7 +68,8 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
         m = models[which]
         if kind == "decode":
             row = median_row([decode_step(m, backend, context, batch, steps=steps, threads=threads, seed=i,
-                                          bandwidth=bandwidth["bytes_per_s"]) for i in range(repeats)])
+                                          bandwidth=bandwidth["bytes_per_s"],
+                                          packed_weights=packed_weights and label in PACKED_RUNS) for i in range(repeats)])
         else:
             row = measure(m, backend, context, batch, threads=threads, cache_memory_bytes=int(cache_memory_gib * GIB))
         out[kind].append({"run": label, **row})
@@ -128,6 +132,11 @@ def table(result: dict, title: str) -> str:
              "brackets, that time as a multiple of the step's memory-bandwidth bound (every weight read once + the "
              "batch's KV cache, over the measured bandwidth). original = stock default (DynamicCache); original "
              "static = its best stock form (preallocated StaticCache); speedup = the faster of the two / this run.", ""]
+    packed = sorted({r["run"] for r in result["decode"] if r.get("packed_weights")}, key=[x[0] for x in RUNS].index)
+    if packed:
+        lines += [f"{' and '.join(packed)}: every linear layer on weights prepacked once for the batch (MKL's packed "
+                  "sgemm, `transmla.runtime.packed`; the packed copy takes about the weights' memory once more), the "
+                  "others on PyTorch's own weight layout.", ""]
     if bw:
         lines += [f"Measured memory bandwidth ({bw['device']}, a {bw['copy_bytes'] / GIB:.0f} GiB copy, median of "
                   f"{bw['repeats']}): {bw['bytes_per_s'] / 1e9:.1f} GB/s.", ""]

@@ -340,3 +340,54 @@ def test_roofline_bytes(tiny_pair):
         assert weight_bytes_per_step(mla) == stock
     bw = memory_bandwidth(nbytes=1 << 24, repeats=3)
     assert bw["bytes_per_s"] > 0 and bw["best_bytes_per_s"] >= bw["bytes_per_s"]
+
+
+needs_packing = pytest.mark.skipif(not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")),
+                                   reason="PyTorch built without MKL: no packed sgemm")
+
+
+@needs_packing
+@pytest.mark.parametrize("fold", [None, True, False])
+def test_packed_weights_decode_like_the_stock_layout(mla, fold, monkeypatch):
+    """Every linear layer (and Absorb's folded matrices) on weights packed for the batch: the absorbed
+    decode gives the stock forward's log-probs; the packed kernel really runs at the packed row count
+    (prefill rows fall back to F.linear); leaving the context restores the model exactly."""
+    from torch import nn
+
+    from transmla.runtime import packed
+
+    keys, B = set(mla.state_dict()), 3
+    calls = []
+    real = packed.linear
+    monkeypatch.setattr(packed, "linear", lambda x, w, b, p: calls.append((p is not None, x.numel() // x.shape[-1])) or real(x, w, b, p))
+    ids = _ids(mla, batch=B, n=20)
+    ref = _logprobs(mla, ids)
+    with absorbed(mla, fold=fold), packed.packed(mla, batch=B):
+        linears = [m for m in mla.modules() if isinstance(m, nn.Linear)]
+        assert all(isinstance(getattr(m, packed.ATTR, None), packed.Packed) for m in linears)
+        folded = [m for m in mla.modules() if any(n in m._buffers for n in packed.ABSORB_MATRICES)]
+        assert all(getattr(m, n + "_packed").batch == B for m in folded for n in packed.ABSORB_MATRICES if n in m._buffers)
+        got = _incremental(mla, ids, 6, LatentCache(mla.config))
+        assert set(mla.state_dict()) == keys  # the packed copies are invisible to saving
+    assert (got - ref).abs().max() < TOL
+    step_calls = [has for has, rows in calls if rows == B]  # the decode steps' products: all on packed weights
+    assert all(step_calls) and len(step_calls) >= (20 - 6) * mla.config.num_hidden_layers
+    assert not packed.is_packed(mla) and all("forward" not in m.__dict__ for m in linears)
+    assert not any(n.endswith("_packed") for m in mla.modules() for n in m.__dict__)
+
+
+@needs_packing
+def test_packed_weights_in_decode_step_and_refused_where_they_cannot_run(tiny_pair):
+    from transmla.runtime import packed
+
+    _, converted = tiny_pair("llama")
+    step = decode_step(converted, "absorb", context=12, batch=3, steps=3, threads=1, packed_weights=True)
+    assert step["packed_weights"] is True and not packed.is_packed(converted)
+    assert decode_step(converted, "absorb", context=12, batch=3, steps=3, threads=1)["packed_weights"] is False
+    half = _random_dsv3().to(torch.bfloat16)
+    assert not packed.available(half)  # decode_step then runs unpacked and records it
+    assert decode_step(half, "absorb", context=8, batch=2, steps=2, threads=1, packed_weights=True)["packed_weights"] is False
+    with pytest.raises(TransMLAError, match="float32 model on CPU") as err:
+        packed.pack(half)
+    assert "packed_weights: false" in str(err.value)
+    assert not packed.is_packed(half)

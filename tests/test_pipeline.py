@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import tasks  # noqa: F401  (sets the Prefect defaults; conftest pointed the store at a temp dir)
@@ -355,6 +356,7 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
     calls = []
     real = tasks.throughput.decode_step
     monkeypatch.setattr(tasks.throughput, "decode_step", lambda *a, **k: calls.append(a[1:3]) or real(*a, **k))
+    packable = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
     prof = load_profile(write_profile(tmp_path, tiny_dir, name="tput"),
                         {"throughput": {"budgets": [0.25], "contexts": [16, 32], "batch": 2, "steps": 2,
                                         "full_contexts": [8], "repeats": 2}})
@@ -369,6 +371,8 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
         assert r["repeats"] == 2 and lo <= r["time_per_output_token_ms"] <= hi
         assert r["x_of_bound"] == pytest.approx(r["time_per_output_token_ms"] / r["bound_ms"])
         assert r["bandwidth_bytes_per_s"] == result["bandwidth"]["bytes_per_s"] > 0
+        # the best forms (original static, converted absorb) on packed weights, the stock defaults not
+        assert r["packed_weights"] is (packable and r["run"] in ("original static", "converted absorb"))
     assert [r["run"] for r in result["full"]] == ["original", "converted hf", "converted absorb"]
     # 2 layers: original 2 x 2 KV heads x 16 dims, converted 12 + 4 latent values, float32
     assert result["kv"]["original"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 4
@@ -380,6 +384,7 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
     md = (out / "throughput.md").read_text()
     assert "| 32 |" in md and "speedup converted absorb" in md and "vLLM serving check: **skipped**" in md
     assert "x bound)" in md and "GB/s" in md and "original static" in md
+    assert ("original static and converted absorb: every linear layer on weights prepacked" in md) is packable
     assert (out / "fig6_speedup.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((out / "results.json").read_text())["kv"] == result["kv"]
     runs = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.model` = 'tput'",

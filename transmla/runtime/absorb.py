@@ -44,6 +44,7 @@ from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from transmla.errors import TransMLAError
+from transmla.runtime import packed as packing
 
 _BUFFERS = ("absorb_q_weight", "absorb_w_uk", "absorb_o_weight", "absorb_w_uv")
 
@@ -279,6 +280,7 @@ def _precompute(attn: nn.Module, fold: bool | None) -> None:
     fold_o = fold if fold is not None else D * h * r <= h * r * dv + D * h * dv
     for name in _BUFFERS:
         attn._buffers.pop(name, None)
+        attn.__dict__.pop(name + "_packed", None)  # a packed copy (runtime.packed) of the old matrix
     if fold_q:
         wq = q_lin.weight.double().view(h, dn + R, Dq)
         q_lat = torch.einsum("hdr,hdi->hri", w_uk, wq[:, :dn])  # [h, r, Dq]
@@ -436,7 +438,8 @@ def absorbed_forward(
     # Queries, absorbed: [W_UK^T q_nope ; q_rope] per head.
     x_q = hidden_states if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(hidden_states))
     if "absorb_q_weight" in self._buffers:
-        q = F.linear(x_q, self.absorb_q_weight).view(B, S, h, r + R).transpose(1, 2)  # [B, h, S, r + R]
+        q = packing.linear(x_q, self.absorb_q_weight, None, getattr(self, "absorb_q_weight_packed", None))
+        q = q.view(B, S, h, r + R).transpose(1, 2)  # [B, h, S, r + R]
         q_lat, q_rot = q.split([r, R], dim=-1)
     else:
         q_lin = self.q_proj if self.q_lora_rank is None else self.q_b_proj
@@ -475,7 +478,8 @@ def absorbed_forward(
 
     # Values, absorbed: W_UV folded into o_proj (or applied per head on the r-dim result).
     if "absorb_o_weight" in self._buffers:
-        out = F.linear(out.transpose(1, 2).reshape(B, S, h * r), self.absorb_o_weight, self.o_proj.bias)
+        out = packing.linear(out.transpose(1, 2).reshape(B, S, h * r), self.absorb_o_weight, self.o_proj.bias,
+                             getattr(self, "absorb_o_weight_packed", None))
     else:
         out = torch.einsum("bhsr,hrv->bhsv", out, self.absorb_w_uv)  # [B, h, S, dv], no W_UV copy per sequence
         out = self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
@@ -505,6 +509,7 @@ def disable_absorb(model):
         attn.__dict__.pop("forward", None)
         for name in _BUFFERS:
             attn._buffers.pop(name, None)
+            attn.__dict__.pop(name + "_packed", None)
     return model
 
 

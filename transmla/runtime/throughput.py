@@ -386,6 +386,7 @@ def decode_step(
     vocab_size: int | None = None,
     seed: int = 0,
     bandwidth: float | None = None,
+    packed_weights: bool = False,
 ) -> dict:
     """Time per output token at a given context, without a full run: prefill ONE random sequence of
     `context` tokens, replicate its cache to `batch` rows (`Cache.batch_repeat_interleave`; the cost of a
@@ -396,12 +397,15 @@ def decode_step(
     backend "static": the prefilled sequence is copied into a preallocated StaticCache of `batch` rows
     (the original's best stock decode). `bandwidth` (bytes/s, `memory_bandwidth`): adds the roofline,
     the step's bytes (`step_bytes`) over it and the measured median as a multiple of that bound.
+    `packed_weights`: every linear layer on weights prepacked for the batch (`runtime.packed`; CPU
+    float32 only, ignored elsewhere; the row records whether it applied).
 
     Returns: median / min / max time per output token (ms), batch / median as decode tokens/s, the cache
     length reached, the single-sequence prefill seconds and the cache's measured bytes per token.
     """
     from transformers import DynamicCache
 
+    from transmla.runtime import packed
     from transmla.runtime.absorb import LatentCache, absorbed
 
     _check_backend(backend)
@@ -415,8 +419,10 @@ def decode_step(
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     times = []
+    packed_weights = packed_weights and packed.available(model)
     try:
-        with absorbed(model, enabled=backend == "absorb") if is_mla(config) else contextlib.nullcontext(), torch.inference_mode():
+        with absorbed(model, enabled=backend == "absorb") if is_mla(config) else contextlib.nullcontext(), \
+                packed.packed(model, enabled=packed_weights, batch=batch), torch.inference_mode():
             total = context + warmup_steps + steps
             cache = LatentCache(config, max_cache_len=total) if backend == "absorb" else DynamicCache(config=config)
             synchronize(dev)
@@ -449,6 +455,7 @@ def decode_step(
         "model_type": config.model_type,
         "device": str(dev),
         "threads": threads,
+        "packed_weights": packed_weights,
         "context": context,
         "batch": batch,
         "steps": steps,
