@@ -58,3 +58,35 @@ def test_failed_write_leaves_nothing(tmp_path):
     except RuntimeError:
         pass
     assert not target.exists() and os.listdir(tmp_path) == []
+
+
+def test_interrupt_right_after_the_temporary_is_created_leaves_nothing(tmp_path, monkeypatch):
+    """Ctrl-C raises KeyboardInterrupt at the first bytecode after the signal: landing just after the
+    temporary file or directory exists (before any write) must still remove it. CI caught that window
+    once in the interrupt test, when the temporary was created before the cleanup's try."""
+    import pytest
+
+    from transmla.io import paths
+
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def open_then_interrupt(*a, **k):
+        fd = real_open(*a, **k)
+        os.close(fd)
+        raise KeyboardInterrupt
+
+    def mkdir_then_interrupt(*a, **k):
+        real_mkdir(*a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(paths.os, "open", open_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_file(tmp_path / "a.safetensors"):
+            pass
+    monkeypatch.setattr(paths.os, "open", real_open)
+    monkeypatch.setattr(paths.os, "mkdir", mkdir_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_dir(tmp_path / "model"):
+            pass
+    monkeypatch.setattr(paths.os, "mkdir", real_mkdir)
+    assert list(tmp_path.iterdir()) == []

@@ -6,9 +6,10 @@ Resolution order for each location: explicit argument > environment variable > d
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 # The repository root, for the editable install this project uses (transmla/ sits in the repo).
@@ -50,6 +51,14 @@ def new_output_dir(path: str | os.PathLike) -> Path:
     return out
 
 
+def _fresh_name(parent: Path, prefix: str, suffix: str = "") -> Path:
+    """An unused random name in `parent` (64 random bits: concurrent writers never pick the same one)."""
+    while True:
+        p = parent / f"{prefix}{secrets.token_hex(8)}{suffix}"
+        if not p.exists():
+            return p
+
+
 @contextmanager
 def atomic_dir(final: str | os.PathLike):
     """Yield a temporary sibling directory; on success it replaces `final`, on error it is removed,
@@ -57,8 +66,11 @@ def atomic_dir(final: str | os.PathLike):
     writers: an existing `final` is first renamed aside (atomic), then ours is renamed in."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp = _fresh_name(final.parent, f".{final.name}.tmp-")
     try:
+        # created inside the try: a signal landing right after mkdir (KeyboardInterrupt is raised
+        # between bytecodes) still reaches the cleanup below (tempfile.mkdtemp would leave it behind)
+        os.mkdir(tmp, 0o700)
         yield tmp
         for _ in range(100):
             if final.exists():
@@ -77,26 +89,22 @@ def atomic_dir(final: str | os.PathLike):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-# Files are created 0600 by mkstemp; give them the mode a plain open() would.
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-
-
 @contextmanager
 def atomic_file(path: str | os.PathLike):
     """Yield a temporary path in the same directory; on success it replaces `path` (os.replace), on
-    error it is removed. Each writer gets its own unique temporary name, so concurrent writers of the
-    same artifact never collide: the last one to finish wins and readers only ever see a whole file."""
+    error or interrupt it is removed. Each writer gets its own unique temporary name, so concurrent
+    writers of the same artifact never collide: the last one to finish wins and readers only ever see
+    a whole file."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    os.close(fd)
-    os.chmod(tmp, 0o666 & ~_UMASK)
+    tmp = _fresh_name(p.parent, f".{p.name}.", ".tmp")
     try:
-        yield Path(tmp)
+        # created inside the try (see atomic_dir), with the mode a plain open() gives (0666 & ~umask)
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        yield tmp
         os.replace(tmp, p)
     finally:
-        if os.path.exists(tmp):
+        with suppress(FileNotFoundError):
             os.unlink(tmp)
 
 
