@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 
+import pytest
+
 from transmla.io.paths import atomic_dir, atomic_file
 
 
@@ -64,8 +66,6 @@ def test_interrupt_right_after_the_temporary_is_created_leaves_nothing(tmp_path,
     """Ctrl-C raises KeyboardInterrupt at the first bytecode after the signal: landing just after the
     temporary file or directory exists (before any write) must still remove it. CI caught that window
     once in the interrupt test, when the temporary was created before the cleanup's try."""
-    import pytest
-
     from transmla.io import paths
 
     real_open, real_mkdir = os.open, os.mkdir
