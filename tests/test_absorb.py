@@ -366,13 +366,14 @@ def test_packed_weights_decode_like_the_stock_layout(mla, fold, monkeypatch):
         linears = [m for m in mla.modules() if isinstance(m, nn.Linear)]
         assert all(isinstance(getattr(m, packed.ATTR, None), packed.Packed) for m in linears)
         folded = [m for m in mla.modules() if any(n in m._buffers for n in packed.ABSORB_MATRICES)]
-        assert all(getattr(m, n + "_packed").batch == B for m in folded for n in packed.ABSORB_MATRICES if n in m._buffers)
+        assert all(packed.packed_buffer(m, n).batch == B for m in folded for n in packed.ABSORB_MATRICES if n in m._buffers)
         got = _incremental(mla, ids, 6, LatentCache(mla.config))
         assert set(mla.state_dict()) == keys  # the packed copies are invisible to saving
     assert (got - ref).abs().max() < TOL
     step_calls = [has for has, rows in calls if rows == B]  # the decode steps' products: all on packed weights
     assert all(step_calls) and len(step_calls) >= (20 - 6) * mla.config.num_hidden_layers
     assert not packed.is_packed(mla) and all("forward" not in m.__dict__ for m in linears)
+    assert not any(packed.packed_buffer(m, n) for m in mla.modules() for n in packed.ABSORB_MATRICES)
     assert not any(n.endswith("_packed") for m in mla.modules() for n in m.__dict__)
 
 
@@ -391,3 +392,103 @@ def test_packed_weights_in_decode_step_and_refused_where_they_cannot_run(tiny_pa
         packed.pack(half)
     assert "packed_weights: false" in str(err.value)
     assert not packed.is_packed(half)
+
+
+# --------------------------------------------------------------------------------------------------
+# Compiled decode (transmla.runtime.compiled_decode)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mla", ["llama", "q_lora_bias", "yarn_wide_rank"], indirect=True)
+def test_compiled_decode_step_equals_the_stock_forward(mla):
+    """One torch.compile graph per step over the static latent cache: the log-probs of the stock full
+    forward at every decoded position, the same latents as the eager LatentCache, a position that moves
+    and a capacity beyond it that stays masked out (and untouched)."""
+    from transmla.runtime.compiled_decode import StaticLatentCache, compiled_step
+
+    ids = _ids(mla, batch=3, n=16)
+    prompt, capacity = 5, 20
+    ref = _logprobs(mla, ids)
+    with absorbed(mla):
+        eager = LatentCache(mla.config)
+        _incremental(mla, ids, prompt, eager)
+        prefill = LatentCache(mla.config)
+        with torch.no_grad():
+            mla(ids[:, :prompt], past_key_values=prefill, use_cache=True)
+        cache = StaticLatentCache.from_latent_cache(prefill, batch=3, capacity=capacity)
+        step = compiled_step(mla)
+        got = []
+        for t in range(prompt, ids.shape[1]):
+            got.append(torch.log_softmax(step(ids[:, t : t + 1], cache).float(), -1))
+            cache.advance()
+    assert (torch.stack(got, 1) - ref[:, prompt:]).abs().max() < TOL
+    T = ids.shape[1]
+    assert cache.get_seq_length() == T and cache.capacity == capacity
+    assert cache.nbytes() == eager.nbytes()
+    for buf, layer in zip(cache.buffers, eager.layers, strict=True):
+        assert (buf[:, :T] - layer.buffer[:, :T]).abs().max() < 1e-5
+        assert not buf[:, T:].any()  # the slack is never written
+
+
+def test_static_latent_cache_copies_repeats_and_refuses(tiny_pair):
+    """from_latent_cache repeats each prefilled sequence to the batch; bad sizes, a full cache and models
+    the compiled step cannot run are refused with the fix named (before anything compiles)."""
+    from transmla.runtime.compiled_decode import StaticLatentCache, compiled_step
+
+    orig_dir, mla = tiny_pair("llama")
+    ids = _ids(mla, batch=1, n=7)
+    with absorbed(mla):
+        prefill = LatentCache(mla.config)
+        with torch.no_grad():
+            mla(ids, past_key_values=prefill, use_cache=True)
+        cache = StaticLatentCache.from_latent_cache(prefill, batch=4, capacity=8)
+        for buf, layer in zip(cache.buffers, prefill.layers, strict=True):
+            assert buf.shape == (4, 8, layer.buffer.shape[-1])
+            assert torch.equal(buf[:, :7], layer.buffer[:, :7].expand(4, -1, -1)) and not buf[:, 7:].any()
+        assert cache.get_seq_length() == 7 and not cache.position.requires_grad
+        with pytest.raises(TransMLAError, match="no room"):
+            StaticLatentCache.from_latent_cache(prefill, batch=4, capacity=7)
+        prefill.batch_repeat_interleave(2)
+        with pytest.raises(TransMLAError, match="multiple"):
+            StaticLatentCache.from_latent_cache(prefill, batch=3, capacity=8)
+        step = compiled_step(mla)
+        cache.advance()
+        with pytest.raises(TransMLAError, match="full") as err:  # position 8 of capacity 8: nothing left to write
+            step(ids[:, :1].expand(4, 1), cache)
+        assert "capacity" in str(err.value)
+    with pytest.raises(TransMLAError, match="absorbed model"):
+        compiled_step(mla)  # absorb disabled again
+    original = load_model(str(orig_dir))[0]
+    with pytest.raises(TransMLAError, match="compiled_decode: false"):
+        compiled_step(original)
+
+
+def test_compiled_decode_in_decode_step(tiny_pair):
+    """decode_step(compiled=True) runs the absorbed steps as the compiled graph: the row says so, with the
+    compile time, the packed weights off (inductor packs its own), and the cache it measured."""
+    _, converted = tiny_pair("llama")
+    row = decode_step(converted, "absorb", context=12, batch=2, steps=3, threads=1, compiled=True, packed_weights=True)
+    assert row["compiled"] is True and row["compile_s"] > 0 and row["packed_weights"] is False
+    assert row["cache_length_end"] == 12 + 2 + 3
+    assert row["kv_bytes_per_token_measured"] == row["kv_bytes_per_token"] == kv_bytes_per_token(converted.config, "absorb")
+    assert not is_absorbed(converted)
+    static = decode_step(converted, "static", context=12, batch=2, steps=2, threads=1, compiled=True)
+    assert static["compiled"] is False and static["compile_s"] is None  # only absorb has a compiled step
+
+
+def test_compiled_decode_one_graph_for_every_context(tiny_pair):
+    """On a model absorbed once (as the throughput task keeps it), every decode_step call, at any context
+    and seed, reuses one compiled graph: the capacity is dynamic and the absorbed matrices stay the same
+    tensors. Re-absorbing makes new matrices, which the frozen graph cannot hold: it compiles again."""
+    from torch._dynamo.utils import counters
+
+    _, converted = tiny_pair("llama")
+    torch._dynamo.reset()
+    counters.clear()
+    with absorbed(converted):
+        rows = [decode_step(converted, "absorb", context=c, batch=2, steps=2, threads=1, compiled=True, seed=s)
+                for c, s in ((12, 0), (12, 1), (20, 0))]
+        assert counters["stats"]["unique_graphs"] == 1
+    assert all(r["compiled"] for r in rows) and [r["cache_length_end"] for r in rows] == [16, 16, 24]
+    decode_step(converted, "absorb", context=12, batch=2, steps=2, threads=1, compiled=True)  # absorbed anew
+    assert counters["stats"]["unique_graphs"] == 2

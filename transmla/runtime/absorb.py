@@ -280,7 +280,7 @@ def _precompute(attn: nn.Module, fold: bool | None) -> None:
     fold_o = fold if fold is not None else D * h * r <= h * r * dv + D * h * dv
     for name in _BUFFERS:
         attn._buffers.pop(name, None)
-        attn.__dict__.pop(name + "_packed", None)  # a packed copy (runtime.packed) of the old matrix
+        packing.drop_packed_buffer(attn, name)  # a packed copy (runtime.packed) of the old matrix
     if fold_q:
         wq = q_lin.weight.double().view(h, dn + R, Dq)
         q_lat = torch.einsum("hdr,hdi->hri", w_uk, wq[:, :dn])  # [h, r, Dq]
@@ -423,7 +423,8 @@ def absorbed_forward(
         hidden_states (`torch.Tensor` of shape `[B, S, D]`)
         position_embeddings (`tuple(torch.Tensor)`): (cos, sin) `[B, S, R]` from the model's rotary embedding.
         attention_mask: the model's causal mask (see `latent_attention`).
-        past_key_values (`Cache`, *optional*): a `LatentCache` (one write per layer), or any cache with the
+        past_key_values (`Cache`, *optional*): a `LatentCache` or `runtime.compiled_decode.StaticLatentCache`
+            (one write per layer: `update_latent`), or any cache with the
             stock DeepseekV3 latent layout (`update(c_kv [B, 1, S, r], k_pe [B, 1, S, R])`).
     Returns:
         (`torch.Tensor` of shape `[B, S, D]`, None) - attention weights are never materialised.
@@ -438,7 +439,7 @@ def absorbed_forward(
     # Queries, absorbed: [W_UK^T q_nope ; q_rope] per head.
     x_q = hidden_states if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(hidden_states))
     if "absorb_q_weight" in self._buffers:
-        q = packing.linear(x_q, self.absorb_q_weight, None, getattr(self, "absorb_q_weight_packed", None))
+        q = packing.linear(x_q, self.absorb_q_weight, None, packing.packed_buffer(self, "absorb_q_weight"))
         q = q.view(B, S, h, r + R).transpose(1, 2)  # [B, h, S, r + R]
         q_lat, q_rot = q.split([r, R], dim=-1)
     else:
@@ -460,7 +461,7 @@ def absorbed_forward(
     k_rot = k_rot.view(B, S, R) if scale is None else torch.cat([k_rot.view(B, S, R), scale], dim=-1)
     latent = torch.cat([c_kv, k_rot], dim=-1)  # [B, S, r + R (+ g)]
 
-    if isinstance(past_key_values, LatentCache):
+    if hasattr(past_key_values, "update_latent"):  # a LatentCache, or runtime.compiled_decode's static one
         latent = past_key_values.update_latent(latent, self.layer_idx, r)  # [B, T, r + R (+ g)]
     elif past_key_values is not None:  # e.g. a DynamicCache: stock layout, joined here
         c_all, k_all = past_key_values.update(c_kv.view(B, 1, S, r), k_rot.unsqueeze(1), self.layer_idx)
@@ -479,7 +480,7 @@ def absorbed_forward(
     # Values, absorbed: W_UV folded into o_proj (or applied per head on the r-dim result).
     if "absorb_o_weight" in self._buffers:
         out = packing.linear(out.transpose(1, 2).reshape(B, S, h * r), self.absorb_o_weight, self.o_proj.bias,
-                             getattr(self, "absorb_o_weight_packed", None))
+                             packing.packed_buffer(self, "absorb_o_weight"))
     else:
         out = torch.einsum("bhsr,hrv->bhsv", out, self.absorb_w_uv)  # [B, h, S, dv], no W_UV copy per sequence
         out = self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
@@ -509,7 +510,7 @@ def disable_absorb(model):
         attn.__dict__.pop("forward", None)
         for name in _BUFFERS:
             attn._buffers.pop(name, None)
-            attn.__dict__.pop(name + "_packed", None)
+            packing.drop_packed_buffer(attn, name)
     return model
 
 

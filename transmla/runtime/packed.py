@@ -33,7 +33,7 @@ from transmla.errors import TransMLAError
 from transmla.runtime.memory import trim_heap
 
 ATTR = "_packed_weight"
-# Absorb's folded matrices (transmla.runtime.absorb): packed beside the buffer, as `<name>_packed`
+# Absorb's folded matrices (transmla.runtime.absorb): packed beside the buffer (`packed_buffer`)
 ABSORB_MATRICES = ("absorb_q_weight", "absorb_o_weight")
 
 
@@ -63,6 +63,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     return torch.ops.mkl._mkl_linear(x, packed_weight.data, packed_weight.weight, bias, packed_weight.batch)
 
 
+def packed_buffer(module: nn.Module, name: str) -> Packed | None:
+    """The packed copy of `module`'s buffer `name` (one of ABSORB_MATRICES), or None when unpacked."""
+    return module.__dict__.get(name + "_packed")
+
+
+def drop_packed_buffer(module: nn.Module, name: str) -> None:
+    """Forget the packed copy of `module`'s buffer `name` (e.g. before the buffer is recomputed)."""
+    module.__dict__.pop(name + "_packed", None)
+
+
 def _forward(self, x: torch.Tensor) -> torch.Tensor:  # bound to a packed nn.Linear
     return linear(x, self.weight, self.bias, getattr(self, ATTR))
 
@@ -72,24 +82,19 @@ def is_packed(model) -> bool:
 
 
 @torch.no_grad()
-def pack(model, batch: int = 8) -> int:
+def pack(model, batch: int = 8) -> None:
     """Pack every nn.Linear of `model` and Absorb's folded matrices (when absorbed) for `batch` rows, in
-    place; returns the bytes of weight packed. Raises TransMLAError when `available(model)` is False."""
+    place. Raises TransMLAError when `available(model)` is False."""
     if not available(model):
         raise TransMLAError("Packed weights need a float32 model on CPU and a PyTorch built with MKL.",
                             "run without packing (throughput.packed_weights: false) on this model or device.")
-    done = 0
     for mod in model.modules():
         if isinstance(mod, nn.Linear):
             setattr(mod, ATTR, Packed(mod.weight, batch))
             mod.forward = types.MethodType(_forward, mod)
-            done += mod.weight.numel() * mod.weight.element_size()
         for name in ABSORB_MATRICES:
             if name in mod._buffers:
-                w = mod._buffers[name]
-                setattr(mod, name + "_packed", Packed(w, batch))
-                done += w.numel() * w.element_size()
-    return done
+                mod.__dict__[name + "_packed"] = Packed(mod._buffers[name], batch)
 
 
 def unpack(model) -> None:
@@ -101,7 +106,7 @@ def unpack(model) -> None:
             del mod.__dict__[ATTR]
             mod.__dict__.pop("forward", None)
         for name in ABSORB_MATRICES:
-            mod.__dict__.pop(name + "_packed", None)
+            drop_packed_buffer(mod, name)
     trim_heap()
 
 

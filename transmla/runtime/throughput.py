@@ -387,6 +387,7 @@ def decode_step(
     seed: int = 0,
     bandwidth: float | None = None,
     packed_weights: bool = False,
+    compiled: bool = False,
 ) -> dict:
     """Time per output token at a given context, without a full run: prefill ONE random sequence of
     `context` tokens, replicate its cache to `batch` rows (`Cache.batch_repeat_interleave`; the cost of a
@@ -398,14 +399,17 @@ def decode_step(
     (the original's best stock decode). `bandwidth` (bytes/s, `memory_bandwidth`): adds the roofline,
     the step's bytes (`step_bytes`) over it and the measured median as a multiple of that bound.
     `packed_weights`: every linear layer on weights prepacked for the batch (`runtime.packed`; CPU
-    float32 only, ignored elsewhere; the row records whether it applied).
+    float32 only, ignored elsewhere; the row records whether it applied). `compiled` (backend "absorb"
+    only): the steps run as one torch.compile graph over a static latent cache (`runtime.compiled_decode`,
+    inductor prepacks the weights itself, so `packed_weights` does not apply); the first warm-up step
+    compiles (or reuses the graph of an earlier call), its seconds are in the row as `compile_s`.
 
     Returns: median / min / max time per output token (ms), batch / median as decode tokens/s, the cache
     length reached, the single-sequence prefill seconds and the cache's measured bytes per token.
     """
     from transformers import DynamicCache
 
-    from transmla.runtime import packed
+    from transmla.runtime import compiled_decode, packed
     from transmla.runtime.absorb import LatentCache, absorbed
 
     _check_backend(backend)
@@ -419,10 +423,15 @@ def decode_step(
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     times = []
-    packed_weights = packed_weights and packed.available(model)
+    compiled = compiled and backend == "absorb"
+    packed_weights = packed_weights and not compiled and packed.available(model)
+    compile_s = None
     try:
+        # no_grad, not inference_mode, around a compiled run: its static cache is written in place by the
+        # graph, and inductor freezes weights only with gradients off
         with absorbed(model, enabled=backend == "absorb") if is_mla(config) else contextlib.nullcontext(), \
-                packed.packed(model, enabled=packed_weights, batch=batch), torch.inference_mode():
+                packed.packed(model, enabled=packed_weights, batch=batch), \
+                torch.no_grad() if compiled else torch.inference_mode():
             total = context + warmup_steps + steps
             cache = LatentCache(config, max_cache_len=total) if backend == "absorb" else DynamicCache(config=config)
             synchronize(dev)
@@ -430,18 +439,29 @@ def decode_step(
             out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             synchronize(dev)
             prefill = time.perf_counter() - t0
-            cache = static_copy(cache, config, batch, total) if backend == "static" else cache
-            if backend != "static":
-                cache.batch_repeat_interleave(batch)
             nxt = out.logits[:, -1:].argmax(-1).repeat(batch, 1)  # [batch, 1]
+            if compiled:
+                cache = compiled_decode.StaticLatentCache.from_latent_cache(cache, batch, total)
+                step = compiled_decode.compiled_step(model)
+            elif backend == "static":
+                cache = static_copy(cache, config, batch, total)
+            else:
+                cache.batch_repeat_interleave(batch)
             for i in range(warmup_steps + steps):
                 synchronize(dev)
                 t = time.perf_counter()
-                out = model(nxt, past_key_values=cache, use_cache=True)
-                nxt = out.logits[:, -1:].argmax(-1)
+                if compiled:
+                    logits = step(nxt, cache)  # [batch, vocab]
+                    cache.advance()
+                    nxt = logits.argmax(-1, keepdim=True)
+                else:
+                    out = model(nxt, past_key_values=cache, use_cache=True)
+                    nxt = out.logits[:, -1:].argmax(-1)
                 synchronize(dev)
                 if i >= warmup_steps:
                     times.append(time.perf_counter() - t)
+                elif i == 0 and compiled:
+                    compile_s = time.perf_counter() - t
             length = int(cache.get_seq_length())
             kv_measured = cache_nbytes(cache) / (batch * length)
             roof = step_bytes(model, backend, context, batch)
@@ -456,6 +476,8 @@ def decode_step(
         "device": str(dev),
         "threads": threads,
         "packed_weights": packed_weights,
+        "compiled": compiled,
+        "compile_s": compile_s,
         "context": context,
         "batch": batch,
         "steps": steps,

@@ -1,0 +1,172 @@
+"""Absorbed decoding as one compiled graph per step: static latent buffers and torch.compile.
+
+An absorbed decode step on CPU is a few hundred small kernels (per layer: norms, RoPE, the latent
+write, the attention, the folded projections, the MLP). In eager mode each pays PyTorch's dispatch
+and an MKL call that repacks its weight; together that is about as long as the step's real work. Here the
+step runs the model's own modules (embedding, rotary embedding, every decoder layer with the absorbed
+attention of `runtime.absorb`, the final norm and head) over a `StaticLatentCache`: one buffer
+[B, capacity, r + R] per layer, written at a position held in a tensor, attended over its whole
+capacity with an additive mask. Every step then has the same shapes, so `torch.compile` traces it once
+and one graph serves every step; with inductor's `freezing` the weights become constants that it
+prepacks for its GEMMs and the elementwise work between them is fused. Measured on this project's
+CPU (2 threads, SmolLM2-135M at 87.5%, batch 8, 4K context): eager 122 ms per step, eager on
+`runtime.packed` weights 83 ms, compiled 67 ms; compiling takes about a minute, once per batch size
+(the cache's capacity is a dynamic dimension: one graph serves every context length).
+
+    cache = StaticLatentCache.from_latent_cache(prefilled_latent_cache, batch=8, capacity=4096 + 64)
+    step = compiled_step(model)                   # model absorbed (runtime.absorb.enable_absorb)
+    logits = step(next_ids, cache)                # [B, vocab]; writes the new latents at cache.position
+    cache.advance()
+
+Greedy tokens equal the eager absorbed forward's (another summation order: logits agree to float32
+rounding). The compiled graph holds the weights it saw: compile again after changing them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch._inductor.config as inductor_config
+from torch import nn
+
+from transmla.errors import TransMLAError
+
+
+class StaticLatentCache:
+    """The MLA latent [c_kv ; k_pe] of every layer in fixed buffers, for a compiled decode step.
+
+    Args:
+        buffers: one `torch.Tensor` [B, capacity, r + R] per layer; the first `length` positions hold
+            the cached tokens.
+        length (`int`): cached tokens; the next step writes at this position.
+
+    `position` is a 0-dim int64 tensor (not a Python int), so the compiled step reads it as data and
+    one graph serves every position. `absorbed_forward` calls `update_latent`, as it does on a
+    `LatentCache`; the returned buffer is the whole capacity and `attention_mask` hides the positions
+    beyond the current token.
+    """
+
+    def __init__(self, buffers: list[torch.Tensor], length: int):
+        if not buffers:
+            raise TransMLAError("A StaticLatentCache needs one buffer per layer, got none.", "pass the model's layers' latents.")
+        capacity = buffers[0].shape[1]
+        if not 0 <= length <= capacity:
+            raise TransMLAError(f"A static latent cache of capacity {capacity} cannot take a token at position {length}.",
+                                "allocate capacity for the prompt plus every new token.")
+        for buf in buffers:  # one graph for every capacity (context length) instead of a compile per length
+            torch._dynamo.mark_dynamic(buf, 1)
+        self.buffers = buffers
+        self.position = torch.tensor(length, dtype=torch.long, device=buffers[0].device)
+
+    @classmethod
+    @torch.no_grad()
+    def from_latent_cache(cls, cache, batch: int, capacity: int) -> StaticLatentCache:
+        """The tokens of a prefilled `LatentCache` in new buffers of `capacity` tokens, each sequence of
+        the cache repeated to `batch` rows (batch must be a multiple of the cache's batch)."""
+        layers = [layer for layer in cache.layers if layer.is_initialized]
+        if not layers or len(layers) != len(cache.layers):
+            raise TransMLAError("The latent cache to copy has uninitialised layers.", "prefill it first (one forward over the prompt).")
+        src_batch, length = layers[0].buffer.shape[0], layers[0].length
+        if batch % src_batch:
+            raise TransMLAError(f"Cannot repeat a cache of {src_batch} sequences to {batch}.", "use a batch that is a multiple of it.")
+        if capacity <= length:
+            raise TransMLAError(f"Capacity {capacity} leaves no room after the {length} cached tokens.",
+                                "allocate capacity for the prompt plus every new token.")
+        buffers = []
+        for layer in layers:
+            src = layer.buffer[:, :length]
+            buf = torch.zeros(batch, capacity, src.shape[-1], dtype=src.dtype, device=src.device)
+            # a fresh tensor (not an inference-mode one): the compiled step writes into it in place
+            buf[:, :length] = src.repeat_interleave(batch // src_batch, dim=0)
+            buffers.append(buf)
+        return cls(buffers, length)
+
+    @property
+    def capacity(self) -> int:
+        return self.buffers[0].shape[1]
+
+    def update_latent(self, latent: torch.Tensor, layer_idx: int, rank: int) -> torch.Tensor:
+        """Write latent [B, 1, r + R] at `position` of layer `layer_idx`; returns the whole buffer [B, capacity, r + R]."""
+        buf = self.buffers[layer_idx]
+        buf.index_copy_(1, self.position.view(1), latent)
+        return buf
+
+    def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask [1, 1, 1, capacity]: 0 up to and including `position`, -inf beyond."""
+        t = torch.arange(self.capacity, device=self.position.device)
+        return torch.zeros(self.capacity, dtype=dtype, device=t.device).masked_fill(t > self.position, float("-inf")).view(1, 1, 1, -1)
+
+    def advance(self, tokens: int = 1) -> None:
+        """Move past the token(s) just written (in place: the compiled graph keeps reading the same tensor)."""
+        self.position += tokens
+
+    def get_seq_length(self) -> int:
+        return int(self.position)
+
+    def nbytes(self) -> int:
+        """Bytes of the cached tokens (all layers and sequences); excludes the unused capacity."""
+        n = int(self.position)
+        return sum(b.shape[0] * n * b.shape[2] * b.element_size() for b in self.buffers)
+
+    def check_room(self) -> None:
+        """Raise TransMLAError when no position is left to write (the compiled graph does not bounds-check)."""
+        if int(self.position) >= self.capacity:
+            raise TransMLAError(f"The static latent cache is full ({self.capacity} tokens).",
+                                "allocate capacity for the prompt plus every new token.")
+
+
+def decode_step(model: nn.Module, ids: torch.Tensor, cache: StaticLatentCache) -> torch.Tensor:
+    """One token per sequence through an absorbed DeepseekV3ForCausalLM, the latents written to `cache`.
+
+    Args:
+        model: a `DeepseekV3ForCausalLM` with `runtime.absorb` enabled.
+        ids (`torch.LongTensor` of shape `[B, 1]`): the tokens at `cache.position`.
+        cache (`StaticLatentCache`): B rows.
+    Returns:
+        `torch.Tensor` of shape `[B, vocab]`: next-token logits.
+
+    DeepseekV3Model.forward's body, with the mask and positions taken from the static cache instead of
+    transformers' mask functions (which need a `Cache`).
+    """
+    inner = model.model
+    x = inner.embed_tokens(ids)  # [B, 1, D]
+    position_ids = cache.position.view(1, 1).expand(ids.shape[0], 1)
+    position_embeddings = inner.rotary_emb(x, position_ids)
+    mask = cache.attention_mask(x.dtype)
+    for layer in inner.layers[: model.config.num_hidden_layers]:
+        x = layer(x, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                  position_embeddings=position_embeddings)
+    return model.lm_head(inner.norm(x))[:, -1]
+
+
+def check_compilable(model: nn.Module) -> None:
+    """Raise TransMLAError unless `model` is a stock DeepseekV3ForCausalLM with Absorb enabled."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3Model
+
+    from transmla.runtime.absorb import is_absorbed
+
+    if type(model) is not DeepseekV3ForCausalLM or type(model.model) is not DeepseekV3Model:
+        raise TransMLAError(f"The compiled decode step runs stock DeepseekV3ForCausalLM models, got {type(model).__name__}.",
+                            "decode this model eagerly (throughput.compiled_decode: false).")
+    if not is_absorbed(model):
+        raise TransMLAError("The compiled decode step needs the absorbed model.", "call transmla.runtime.absorb.enable_absorb(model) first.")
+
+
+def compiled_step(model: nn.Module, freezing: bool = True):
+    """`decode_step` compiled by torch.compile (inductor, static shapes); call it under torch.no_grad().
+
+    freezing: inductor treats the weights as constants (prepacked GEMMs; the graph keeps the weights it
+    saw). The first call compiles (about a minute for a 30-layer model on 2 CPU cores); a new batch size
+    compiles again, a new capacity does not (it is marked dynamic). Raises TransMLAError when `check_compilable` fails.
+    """
+    check_compilable(model)
+    compiled = torch.compile(decode_step, dynamic=False)
+
+    def step(ids: torch.Tensor, cache: StaticLatentCache) -> torch.Tensor:
+        # freezing patched around every call, not passed as a compile option: inductor reads it when
+        # it compiles, which is at the first call and at every recompile (torch.compile's `options`
+        # did not reach it here: 111 ms per step unfrozen vs 69 ms frozen, SmolLM2 87.5%, 4K)
+        cache.check_room()
+        with torch.no_grad(), inductor_config.patch(freezing=freezing):
+            return compiled(model, ids, cache)
+
+    return step
