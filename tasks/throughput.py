@@ -16,6 +16,7 @@ only when a model, a param or the measurement code changed.
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
@@ -73,11 +74,13 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
     for kind, context, (label, which, backend) in bar:
         bar.set_postfix(kind=kind, context=context, run=label)
         if kind == "decode" and compiled_decode and label in COMPILED_RUNS:
-            # a second converted instance, absorbed once for all its runs: the compiled graph holds the
-            # absorbed matrices it was traced with, so absorbing the shared instance anew for each run (it
-            # alternates with the stock "converted hf") would compile again at every context and repeat
+            # the converted model's module tree once more over the same weights (parameters shared, not
+            # copied), absorbed once for all its runs: the compiled graph holds the absorbed matrices it
+            # was traced with, so absorbing the stock instance anew for each run (it alternates with
+            # "converted hf") would compile again at every context and repeat
             if "converted absorbed" not in models:
-                models["converted absorbed"] = enable_absorb(load_model(converted["path"], device=device)[0])
+                shared = {id(p): p for p in models["converted"].parameters()}
+                models["converted absorbed"] = enable_absorb(copy.deepcopy(models["converted"], memo=shared))
             which = "converted absorbed"
         m = models[which]
         if kind == "decode":
