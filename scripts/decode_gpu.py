@@ -215,18 +215,13 @@ def graph_time(fn, dev, n: int = 50) -> float:
     return dt
 
 
-DEFAULT_KERNEL_CONFIGS = tuple(dict(block_t=bt, num_warps=nw, num_stages=ns, swap=swap)
-                               for bt, nw, ns in ((32, 4, 2), (64, 4, 2), (64, 8, 2), (64, 4, 3)) for swap in (False, True))
-
-
 def kernel_bench(dev, dtype, emit, h=32, rank=512, rope=64, shapes=((16, 1024), (16, 8192), (425, 8192)),
-                 configs=DEFAULT_KERNEL_CONFIGS, splits_sweep=True, bandwidth=None):
-    """One layer's decode attention over the latent, graph-timed: bmm against the Triton kernel per
-    configuration (`configs`: dicts of TUNING entries over the current TUNING: launch parameters, product
-    form, persistent, evict, block_h), the chunks per sequence chosen by `choose_splits`; then, for the
-    TUNING configuration, every product form at a sweep of chunk counts (is the wave model's choice the
-    fastest?). Returns the configuration best over all shapes (the sum of each shape's time over that
-    shape's best), as TUNING entries."""
+                 configs=((32, 4, 2), (64, 4, 2), (64, 8, 2), (64, 4, 3)), splits_sweep=True, bandwidth=None):
+    """One layer's decode attention over the latent, graph-timed: bmm against the Triton split-K kernel
+    per launch configuration (block_t, num_warps, num_stages) and product form (swap), the chunks per
+    sequence chosen by `choose_splits`; then, for the TUNING configuration, every product form at a sweep
+    of chunk counts (is the wave model's choice the fastest?). Returns the configuration best over all
+    shapes (the sum of each shape's time over that shape's best)."""
     from transmla.runtime import latent_decode as ld
 
     rows_seen = []
@@ -253,27 +248,20 @@ def kernel_bench(dev, dtype, emit, h=32, rank=512, rope=64, shapes=((16, 1024), 
             emit(row)
             return row
 
-        for cfg in configs:
-            ld.TUNING.clear()
-            ld.TUNING.update(base)
-            ld.TUNING.update(cfg)
-            tu = ld.TUNING
-            swap = tu["swap"] if tu["swap"] is not None else B <= ld.SWAP_MAX_BATCH
-            persistent = ld.use_persistent(B)
-            block_h = max(ld._pow2(h), int(tu.get("block_h") or 0))
-            key = ld.variant_key(rank, rope, h, tu["block_t"], tu["num_warps"], tu["num_stages"], swap, False, persistent,
-                                 tu.get("evict", False), block_h)
-            head = dict(kind="kernel", kernel="triton", batch=B, context=T, config=dict(cfg), block_t=tu["block_t"],
-                        num_warps=tu["num_warps"], num_stages=tu["num_stages"], swap=swap, persistent=persistent,
-                        evict=bool(tu.get("evict")), block_h=block_h)
-            try:
-                ld.latent_decode_triton(q, lat, rank, 0.05)  # compiles; the occupancy is read after
-            except Exception as e:  # noqa: BLE001 - e.g. a configuration out of shared memory
-                emit(dict(head, error=f"{type(e).__name__}: {str(e)[:200]}"))
-                continue
-            res = ld._resident(q.device, key)
-            rows_seen.append(run(dict(head, resident=res, splits=res if persistent else ld.choose_splits(B, T, tu["block_t"], res))))
-        ld.TUNING.clear()
+        for bt, nw, ns in configs:
+            for swap in (False, True):
+                ld.TUNING.update(block_t=bt, num_warps=nw, num_stages=ns, swap=swap)
+                key = ld.variant_key(rank, rope, h, bt, nw, ns, swap, False)
+                try:
+                    ld.latent_decode_triton(q, lat, rank, 0.05)  # compiles; the occupancy is read after
+                except Exception as e:  # noqa: BLE001 - e.g. a configuration out of shared memory
+                    emit(dict(kind="kernel", kernel="triton", batch=B, context=T, block_t=bt, num_warps=nw, num_stages=ns,
+                              swap=swap, error=f"{type(e).__name__}: {str(e)[:200]}"))
+                    continue
+                res = ld._resident(q.device, key)
+                rows_seen.append(run(dict(kind="kernel", kernel="triton", batch=B, context=T, block_t=bt, num_warps=nw,
+                                          num_stages=ns, swap=swap, resident=res,
+                                          splits=ld.choose_splits(B, T, bt, res))))
         ld.TUNING.update(base)
         if splits_sweep:
             bt = base["block_t"]
@@ -284,8 +272,7 @@ def kernel_bench(dev, dtype, emit, h=32, rank=512, rope=64, shapes=((16, 1024), 
                 for S in sorted({1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64, chosen} & set(range(1, tiles + 1))):
                     if B * S > 64 * 1024:
                         continue
-                    run(dict(kind="splits", batch=B, context=T, swap=swap, splits=S, chosen=S == chosen), num_splits=S,
-                        swap=swap, persistent=False)
+                    run(dict(kind="splits", batch=B, context=T, swap=swap, splits=S, chosen=S == chosen), num_splits=S, swap=swap)
         del q, lat, want
         torch.cuda.empty_cache()
     tri = [r for r in rows_seen if "us" in r]
@@ -296,18 +283,12 @@ def kernel_bench(dev, dtype, emit, h=32, rank=512, rope=64, shapes=((16, 1024), 
         best_t[(r["batch"], r["context"])] = min(best_t.get((r["batch"], r["context"]), 1e30), r["us"])
     score, count = {}, {}
     for r in tri:
-        k = json.dumps(r["config"], sort_keys=True)
+        k = (r["block_t"], r["num_warps"], r["num_stages"])
         score[k] = score.get(k, 0.0) + r["us"] / best_t[(r["batch"], r["context"])]
         count[k] = count.get(k, 0) + 1
     full = [k for k in score if count[k] == max(count.values())]
-    best = json.loads(min(full, key=score.get))
-    best.pop("swap", None)  # the product form stays chosen by batch
-    return best
-
-
-def parse_kernel_configs(text: str) -> list[dict]:
-    """"block_t=64,persistent=1;evict=1" -> [TUNING entries, ...] (one configuration per ';')."""
-    return [parse_tuning(c) for c in text.split(";") if c.strip()]
+    bt, nw, ns = min(full, key=score.get)
+    return dict(block_t=bt, num_warps=nw, num_stages=ns)
 
 
 @torch.inference_mode()
@@ -346,7 +327,7 @@ def parse_tuning(text: str) -> dict:
     out = {}
     for kv in text.split(","):
         k, v = kv.split("=")
-        out[k] = None if v.lower() == "none" else (bool(int(v)) if k in ("swap", "persistent", "evict") else int(v))
+        out[k] = None if v.lower() == "none" else (bool(int(v)) if k == "swap" else int(v))
     return out
 
 
@@ -455,11 +436,6 @@ def main(argv=None) -> int:
                          "(+c: torch.compile'd step; default all)")
     ap.add_argument("--profile", default="", help="BACKEND-KERNEL:CONTEXT:BATCH[,...]: kernel-time table of 3 eager steps (torch.profiler)")
     ap.add_argument("--tuning", default="", help="Triton kernel launch parameters, e.g. block_t=64,num_warps=8,swap=1")
-    ap.add_argument("--kernel-configs", default="",
-                    help="--kernel-bench configurations, ';'-separated TUNING entries over --tuning, e.g. "
-                         "'persistent=0;persistent=1,evict=1' (default: launch parameters x product forms)")
-    ap.add_argument("--kernel-shapes", default="16x1024,16x8192,425x8192", help="--kernel-bench BATCHxCONTEXT list")
-    ap.add_argument("--no-splits-sweep", action="store_true", help="--kernel-bench without the chunk-count sweep")
     ap.add_argument("--compile-contexts", type=int, nargs="*", default=None,
                     help="contexts of the torch.compile'd (+c) paths (default: the last context)")
     a = ap.parse_args(argv)
@@ -488,10 +464,7 @@ def main(argv=None) -> int:
     if a.kernel_bench and dev.type == "cuda":
         from transmla.runtime import latent_decode as ld
 
-        shapes = tuple(tuple(int(x) for x in bt.split("x")) for bt in a.kernel_shapes.split(","))
-        configs = parse_kernel_configs(a.kernel_configs) if a.kernel_configs else DEFAULT_KERNEL_CONFIGS
-        best = kernel_bench(dev, dtype, emit, rank=a.rank, rope=a.rope_dim, bandwidth=bw["bytes_per_s"], shapes=shapes,
-                            configs=configs, splits_sweep=not a.no_splits_sweep)
+        best = kernel_bench(dev, dtype, emit, rank=a.rank, rope=a.rope_dim, bandwidth=bw["bytes_per_s"])
         if a.tuning:  # the kernel bench moved TUNING; the model cells use the requested one
             ld.TUNING.update(parse_tuning(a.tuning))
         elif best:

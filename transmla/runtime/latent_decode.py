@@ -35,11 +35,7 @@ DEFAULT_BLOCK_T = 64
 # assumed before the compiled kernel's own occupancy is known, product form: None = transposed
 # products up to SWAP_MAX_BATCH sequences); measured per GPU with scripts/decode_gpu.py --kernel-bench
 # (reports/throughput/gpu).
-# persistent: one wave of programs over the whole batch's tiles (stream-K, `persistent_slots`) instead of
-# chunks per sequence (None = above SWAP_MAX_BATCH sequences); evict: latent loads marked evict-first in L2; block_h: heads padded to at least
-# this many rows (0 = the next power of two).
-TUNING = {"block_t": DEFAULT_BLOCK_T, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2, "swap": None,
-          "persistent": False, "evict": False, "block_h": 0}
+TUNING = {"block_t": DEFAULT_BLOCK_T, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2, "swap": None}
 SWAP_MAX_BATCH = 64
 # A program's fixed cost in tiles' worth of time: loading the queries, writing its (m, l, acc) partials
 # and the merge reading them back (acc is h x r float32 per chunk, about one 64-token tile of latent).
@@ -82,16 +78,6 @@ def choose_splits(batch: int, length: int, block_t: int, resident: int) -> int:
         if batch * s >= 4 * max(resident, 1):  # past a few waves more chunks only add waves
             break
     return best
-
-
-@functools.lru_cache(maxsize=4096)
-def persistent_slots(batch: int, n_tiles: int, programs: int) -> int:
-    """Partials per sequence under the persistent kernel's stream-K split: program p runs the tiles
-    [p W // P, (p + 1) W // P) of the W = batch x n_tiles laid end to end, and writes a segment of
-    sequence b at slot p - p0(b), p0(b) = ((b n_tiles + 1) P - 1) // W (the program holding b's first
-    tile). Returns the most slots any sequence needs."""
-    W, P = batch * n_tiles, programs
-    return max(((b * n_tiles + n_tiles) * P - 1) // W - ((b * n_tiles + 1) * P - 1) // W + 1 for b in range(batch))
 
 
 def _chunk_tiles(length: int, splits: int, block_t: int) -> int:
@@ -179,11 +165,11 @@ def latent_decode_torch(query: torch.Tensor, latent: torch.Tensor, rank: int, sc
     return out.to(query.dtype)
 
 
-def _kernel(persistent: bool = False):
+def _kernel():
     """The Triton kernel, imported on first use (triton is optional: the PyTorch form runs without it)."""
-    from transmla.runtime import latent_decode_triton as k
+    from transmla.runtime.latent_decode_triton import latent_decode_kernel
 
-    return k.latent_decode_persistent_kernel if persistent else k.latent_decode_kernel
+    return latent_decode_kernel
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -191,10 +177,9 @@ def _pow2(n: int, lo: int = 16) -> int:
 
 
 def variant_key(rank: int, rope: int, heads: int, block_t: int, num_warps: int, num_stages: int, swap: bool,
-                has_mask: bool, persistent: bool = False, evict: bool = False, block_h: int = 0) -> tuple:
+                has_mask: bool) -> tuple:
     """What makes one compiled kernel variant (the occupancy record `_RESIDENT` is kept per variant)."""
-    return (rank, rope, heads, block_t, num_warps, num_stages, bool(swap), bool(has_mask), bool(persistent), bool(evict),
-            int(block_h))
+    return (rank, rope, heads, block_t, num_warps, num_stages, bool(swap), bool(has_mask))
 
 
 def _resident(device: torch.device, key: tuple) -> int:
@@ -208,25 +193,15 @@ def _resident(device: torch.device, key: tuple) -> int:
     return TUNING["programs_per_sm"] * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def use_persistent(batch: int) -> bool:
-    """Whether TUNING runs the persistent kernel at this batch (None: for a batch over SWAP_MAX_BATCH)."""
-    p = TUNING.get("persistent", False)
-    return batch > SWAP_MAX_BATCH if p is None else bool(p)
-
-
 def latent_decode_triton(query: torch.Tensor, latent: torch.Tensor, rank: int, scaling: float,
                          mask: torch.Tensor | None = None, num_splits: int | None = None,
                          block_t: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                         swap: bool | None = None, persistent: bool | None = None) -> torch.Tensor:
+                         swap: bool | None = None) -> torch.Tensor:
     """`latent_decode_torch`'s result from the Triton kernel (same arguments; num_splits None = the wave
-    model's choice for the device; launch parameters, product form and persistent None = `TUNING`;
-    persistent: the stream-K kernel, one wave of programs over all sequences' tiles; num_splits then
-    sets the programs, default the resident count)."""
+    model's choice for the device; launch parameters and product form None = `TUNING`)."""
     block_t = block_t or TUNING["block_t"]
     num_warps = num_warps or TUNING["num_warps"]
     num_stages = num_stages or TUNING["num_stages"]
-    persistent = use_persistent(query.shape[0]) if persistent is None else persistent
-    evict = bool(TUNING.get("evict", False))
     B, h, E = query.shape
     T = latent.shape[1]
     R = E - rank
@@ -235,36 +210,22 @@ def latent_decode_triton(query: torch.Tensor, latent: torch.Tensor, rank: int, s
     if query.stride(-1) != 1 or latent.stride(-1) != 1:
         raise ValueError("latent_decode_triton needs the last dimension of query and latent contiguous.")
     interpret = _interpret()
-    block_h = max(_pow2(h), int(TUNING.get("block_h") or 0))
-    key = variant_key(rank, R, h, block_t, num_warps, num_stages, swap, mask is not None, persistent, evict, block_h)
+    key = variant_key(rank, R, h, block_t, num_warps, num_stages, swap, mask is not None)
+    if num_splits is None:
+        num_splits = choose_splits(B, T, block_t, _resident(query.device, key))
+    tiles = _chunk_tiles(T, num_splits, block_t)
+    S = math.ceil(math.ceil(T / block_t) / tiles)
     add = _additive_mask(mask, B, T)
-    n_tiles = math.ceil(T / block_t)
-    if persistent:
-        P = min(num_splits or _resident(query.device, key), B * n_tiles)
-        S = persistent_slots(B, n_tiles, P)
-        # a sequence may have fewer segments than S: the unused slots must weigh zero in the merge
-        acc = torch.zeros(B, h, S, rank, dtype=torch.float32, device=query.device)
-        m = torch.full((B, h, S), float("-inf"), dtype=torch.float32, device=query.device)
-        l = torch.zeros_like(m)
-        grid, sizes, extra = (P,), (n_tiles, B * n_tiles), {}
-        kernel = _kernel(persistent=True)
-    else:
-        if num_splits is None:
-            num_splits = choose_splits(B, T, block_t, _resident(query.device, key))
-        tiles = _chunk_tiles(T, num_splits, block_t)
-        S = math.ceil(n_tiles / tiles)
-        acc = torch.empty(B, h, S, rank, dtype=torch.float32, device=query.device)  # merge_splits' layout
-        m = torch.empty(B, h, S, dtype=torch.float32, device=query.device)
-        l = torch.empty_like(m)
-        grid, sizes, extra = (B, S), (tiles,), {"CHUNK_TILES_INTERP": tiles if interpret else 1}
-        kernel = _kernel()
-    compiled = kernel[grid](
+    acc = torch.empty(B, h, S, rank, dtype=torch.float32, device=query.device)  # merge_splits' layout
+    m = torch.empty(B, h, S, dtype=torch.float32, device=query.device)
+    l = torch.empty_like(m)
+    compiled = _kernel()[(B, S)](
         query, latent, add if add is not None else m, acc, m, l,
         query.stride(0), query.stride(1), latent.stride(0), latent.stride(1), add.stride(0) if add is not None else 0,
         acc.stride(0), acc.stride(2), acc.stride(1), m.stride(0), m.stride(2), m.stride(1),
-        h, T, scaling, *sizes,
-        RANK=rank, ROPE=R, BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_R=_pow2(rank), BLOCK_P=_pow2(R), HAS_MASK=add is not None,
-        SWAP=bool(swap), INTERPRET=interpret, EVICT=evict, **extra,
+        h, T, scaling, tiles,
+        RANK=rank, ROPE=R, BLOCK_H=_pow2(h), BLOCK_T=block_t, BLOCK_R=_pow2(rank), BLOCK_P=_pow2(R), HAS_MASK=add is not None,
+        SWAP=bool(swap), INTERPRET=interpret, CHUNK_TILES_INTERP=tiles if interpret else 1,
         num_warps=num_warps, num_stages=num_stages,
     )
     if query.is_cuda and (query.device.index, key) not in _RESIDENT:

@@ -6,30 +6,22 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_tile(l_base, t0, T, stride_lt, RANK: tl.constexpr, orr, op, rm, pm, BLOCK_T: tl.constexpr, FULL: tl.constexpr,
-               EVICT: tl.constexpr = False):
+def _load_tile(l_base, t0, T, stride_lt, RANK: tl.constexpr, orr, op, rm, pm, BLOCK_T: tl.constexpr, FULL: tl.constexpr):
     """BLOCK_T cached tokens from t0: (c_kv [BT, BR], k_pe [BT, BP], in-cache row mask [BT]).
-    FULL: every token of the tile is in the cache (no row mask, so loads vectorise). EVICT: the latent
-    is read once per step, so its lines are marked first out of L2 (room for the weights and partials)."""
+    FULL: every token of the tile is in the cache (no row mask, so loads vectorise)."""
     ot = t0 + tl.arange(0, BLOCK_T)
     tm = (ot < T) | FULL
-    if EVICT:
-        k_c = tl.load(l_base + ot[:, None] * stride_lt + orr[None, :], mask=tm[:, None] & rm[None, :], other=0.0,
-                      eviction_policy="evict_first")
-        k_p = tl.load(l_base + ot[:, None] * stride_lt + RANK + op[None, :], mask=tm[:, None] & pm[None, :], other=0.0,
-                      eviction_policy="evict_first")
-    else:
-        k_c = tl.load(l_base + ot[:, None] * stride_lt + orr[None, :], mask=tm[:, None] & rm[None, :], other=0.0)
-        k_p = tl.load(l_base + ot[:, None] * stride_lt + RANK + op[None, :], mask=tm[:, None] & pm[None, :], other=0.0)
+    k_c = tl.load(l_base + ot[:, None] * stride_lt + orr[None, :], mask=tm[:, None] & rm[None, :], other=0.0)
+    k_p = tl.load(l_base + ot[:, None] * stride_lt + RANK + op[None, :], mask=tm[:, None] & pm[None, :], other=0.0)
     return k_c, k_p, ot, tm
 
 
 @triton.jit
 def _tile(q_c, q_p, m_i, l_i, acc, l_base, MASK, mask_base, t0, T, stride_lt, RANK: tl.constexpr, scaling, orr, op, rm, pm,
-          BLOCK_T: tl.constexpr, HAS_MASK: tl.constexpr, FULL: tl.constexpr, EVICT: tl.constexpr = False):
+          BLOCK_T: tl.constexpr, HAS_MASK: tl.constexpr, FULL: tl.constexpr):
     """One tile, heads as the rows of both products: scores [BH, BT] = q k^T, acc [BH, BR] += p c_kv.
     For a large batch (many programs): the dots' M dimension is the head block."""
-    k_c, k_p, ot, tm = _load_tile(l_base, t0, T, stride_lt, RANK, orr, op, rm, pm, BLOCK_T, FULL, EVICT)
+    k_c, k_p, ot, tm = _load_tile(l_base, t0, T, stride_lt, RANK, orr, op, rm, pm, BLOCK_T, FULL)
     sc = tl.dot(q_c, tl.trans(k_c)) + tl.dot(q_p, tl.trans(k_p))  # [BH, BT] float32
     sc = sc * scaling
     if HAS_MASK:
@@ -47,11 +39,11 @@ def _tile(q_c, q_p, m_i, l_i, acc, l_base, MASK, mask_base, t0, T, stride_lt, RA
 
 @triton.jit
 def _tile_swapped(q_cT, q_pT, m_i, l_i, accT, l_base, MASK, mask_base, t0, T, stride_lt, RANK: tl.constexpr, scaling, orr, op,
-                  rm, pm, BLOCK_T: tl.constexpr, HAS_MASK: tl.constexpr, FULL: tl.constexpr, EVICT: tl.constexpr = False):
+                  rm, pm, BLOCK_T: tl.constexpr, HAS_MASK: tl.constexpr, FULL: tl.constexpr):
     """The same tile with the products transposed: scores^T [BT, BH] = k q^T, acc^T [BR, BH] += c_kv^T p^T.
     For a small batch (few, long programs): the dots' M dimension is the token tile / the rank (>= 64),
     which the tensor cores' large-M instructions want, instead of 32 heads."""
-    k_c, k_p, ot, tm = _load_tile(l_base, t0, T, stride_lt, RANK, orr, op, rm, pm, BLOCK_T, FULL, EVICT)
+    k_c, k_p, ot, tm = _load_tile(l_base, t0, T, stride_lt, RANK, orr, op, rm, pm, BLOCK_T, FULL)
     sc = tl.dot(k_c, q_cT) + tl.dot(k_p, q_pT)  # [BT, BH] float32
     sc = sc * scaling
     if HAS_MASK:
@@ -69,43 +61,14 @@ def _tile_swapped(q_cT, q_pT, m_i, l_i, accT, l_base, MASK, mask_base, t0, T, st
 
 @triton.jit
 def _step(q_c, q_p, m_i, l_i, acc, l_base, MASK, mask_base, t0, T, stride_lt, RANK: tl.constexpr, scaling, orr, op, rm, pm,
-          BLOCK_T: tl.constexpr, HAS_MASK: tl.constexpr, FULL: tl.constexpr, SWAP: tl.constexpr, EVICT: tl.constexpr = False):
+          BLOCK_T: tl.constexpr, HAS_MASK: tl.constexpr, FULL: tl.constexpr, SWAP: tl.constexpr):
     """One tile in the product form SWAP picks (resolved at compile time)."""
     if SWAP:
         return _tile_swapped(q_c, q_p, m_i, l_i, acc, l_base, MASK, mask_base, t0, T, stride_lt, RANK, scaling, orr, op,
-                             rm, pm, BLOCK_T, HAS_MASK, FULL, EVICT)
+                             rm, pm, BLOCK_T, HAS_MASK, FULL)
     else:
         return _tile(q_c, q_p, m_i, l_i, acc, l_base, MASK, mask_base, t0, T, stride_lt, RANK, scaling, orr, op, rm, pm,
-                     BLOCK_T, HAS_MASK, FULL, EVICT)
-
-
-@triton.jit
-def _load_q(q_base, stride_qh, RANK: tl.constexpr, oh, orr, op, hm, rm, pm, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-            SWAP: tl.constexpr):
-    """One sequence's queries (q_c, q_p) and a zero accumulator, transposed to each other in the two forms."""
-    if SWAP:
-        q_c = tl.load(q_base + oh[None, :] * stride_qh + orr[:, None], mask=hm[None, :] & rm[:, None], other=0.0)  # [BR, BH]
-        q_p = tl.load(q_base + oh[None, :] * stride_qh + RANK + op[:, None], mask=hm[None, :] & pm[:, None], other=0.0)
-        acc = tl.full([BLOCK_R, BLOCK_H], 0.0, tl.float32)
-    else:
-        q_c = tl.load(q_base + oh[:, None] * stride_qh + orr[None, :], mask=hm[:, None] & rm[None, :], other=0.0)  # [BH, BR]
-        q_p = tl.load(q_base + oh[:, None] * stride_qh + RANK + op[None, :], mask=hm[:, None] & pm[None, :], other=0.0)
-        acc = tl.full([BLOCK_H, BLOCK_R], 0.0, tl.float32)
-    return q_c, q_p, acc
-
-
-@triton.jit
-def _store_partial(ACC, M_OUT, L_OUT, b, s, stride_ab, stride_as, stride_ah, stride_sb, stride_ss, stride_sh,
-                   acc, m_i, l_i, oh, orr, hm, rm, SWAP: tl.constexpr):
-    """Chunk s of sequence b: its (m, l, acc) into the partials merge_splits reads."""
-    if SWAP:
-        tl.store(ACC + b * stride_ab + s * stride_as + oh[None, :] * stride_ah + orr[:, None], acc,
-                 mask=hm[None, :] & rm[:, None])
-    else:
-        tl.store(ACC + b * stride_ab + s * stride_as + oh[:, None] * stride_ah + orr[None, :], acc,
-                 mask=hm[:, None] & rm[None, :])
-    tl.store(M_OUT + b * stride_sb + s * stride_ss + oh * stride_sh, m_i, mask=hm)
-    tl.store(L_OUT + b * stride_sb + s * stride_ss + oh * stride_sh, l_i, mask=hm)
+                     BLOCK_T, HAS_MASK, FULL)
 
 
 @triton.jit
@@ -116,7 +79,7 @@ def latent_decode_kernel(
     H, T, scaling, chunk_tiles, RANK: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr, HAS_MASK: tl.constexpr, SWAP: tl.constexpr, INTERPRET: tl.constexpr,
-    CHUNK_TILES_INTERP: tl.constexpr, EVICT: tl.constexpr = False,
+    CHUNK_TILES_INTERP: tl.constexpr,
 ):
     """Program (b, s): the chunk of `chunk_tiles` tiles from s * chunk_tiles * BLOCK_T of sequence b.
     chunk_tiles is a run-time argument (one compiled variant for every length and split count, so a
@@ -140,75 +103,33 @@ def latent_decode_kernel(
     else:
         first = s * chunk_tiles * BLOCK_T
     # The two product forms hold q and acc transposed to each other; the tile loop is the same.
-    q_c, q_p, acc = _load_q(q_base, stride_qh, RANK, oh, orr, op, hm, rm, pm, BLOCK_H, BLOCK_R, SWAP)
+    if SWAP:
+        q_c = tl.load(q_base + oh[None, :] * stride_qh + orr[:, None], mask=hm[None, :] & rm[:, None], other=0.0)  # [BR, BH]
+        q_p = tl.load(q_base + oh[None, :] * stride_qh + RANK + op[:, None], mask=hm[None, :] & pm[:, None], other=0.0)
+        acc = tl.full([BLOCK_R, BLOCK_H], 0.0, tl.float32)
+    else:
+        q_c = tl.load(q_base + oh[:, None] * stride_qh + orr[None, :], mask=hm[:, None] & rm[None, :], other=0.0)  # [BH, BR]
+        q_p = tl.load(q_base + oh[:, None] * stride_qh + RANK + op[None, :], mask=hm[:, None] & pm[None, :], other=0.0)
+        acc = tl.full([BLOCK_H, BLOCK_R], 0.0, tl.float32)
     if INTERPRET:
         for i in range(CHUNK_TILES_INTERP):
             if first + i * BLOCK_T < T:
                 m_i, l_i, acc = _step(q_c, q_p, m_i, l_i, acc, l_base, MASK, mb, first + i * BLOCK_T, T, stride_lt, RANK,
-                                      scaling, orr, op, rm, pm, BLOCK_T, HAS_MASK, False, SWAP, EVICT)
+                                      scaling, orr, op, rm, pm, BLOCK_T, HAS_MASK, False, SWAP)
     else:
         # the full tiles without a branch or row mask (loads pipeline and vectorise), then the one ragged tile
         n_full = tl.minimum(chunk_tiles, (T - first) // BLOCK_T)
         for i in range(n_full):
             m_i, l_i, acc = _step(q_c, q_p, m_i, l_i, acc, l_base, MASK, mb, first + i * BLOCK_T, T, stride_lt, RANK,
-                                  scaling, orr, op, rm, pm, BLOCK_T, HAS_MASK, True, SWAP, EVICT)
+                                  scaling, orr, op, rm, pm, BLOCK_T, HAS_MASK, True, SWAP)
         if n_full < chunk_tiles and first + n_full * BLOCK_T < T:
             m_i, l_i, acc = _step(q_c, q_p, m_i, l_i, acc, l_base, MASK, mb, first + n_full * BLOCK_T, T, stride_lt, RANK,
-                                  scaling, orr, op, rm, pm, BLOCK_T, HAS_MASK, False, SWAP, EVICT)
-    _store_partial(ACC, M_OUT, L_OUT, b, s, stride_ab, stride_as, stride_ah, stride_sb, stride_ss, stride_sh,
-                   acc, m_i, l_i, oh, orr, hm, rm, SWAP)
-
-
-
-@triton.jit
-def latent_decode_persistent_kernel(
-    Q, L, MASK, ACC, M_OUT, L_OUT,
-    stride_qb, stride_qh, stride_lb, stride_lt, stride_mb,
-    stride_ab, stride_as, stride_ah, stride_sb, stride_ss, stride_sh,
-    H, T, scaling, n_tiles, n_items, RANK: tl.constexpr, ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_P: tl.constexpr, HAS_MASK: tl.constexpr, SWAP: tl.constexpr, INTERPRET: tl.constexpr,
-    EVICT: tl.constexpr = False,
-):
-    """Stream-K over the whole batch: the n_items = B x n_tiles tiles, laid end to end, are cut into one
-    equal run per program (launched as one wave, so no wave is left part-empty at a large batch). A run
-    may cross sequences; each piece of it (a segment of one sequence) writes its partial at slot
-    p - p0(b), p0(b) = the first program whose run reaches sequence b (`persistent_slots`)."""
-    p = tl.program_id(0).to(tl.int64)
-    P = tl.num_programs(0).to(tl.int64)
-    oh = tl.arange(0, BLOCK_H)
-    orr = tl.arange(0, BLOCK_R)
-    op = tl.arange(0, BLOCK_P)
-    hm = oh < H
-    rm = orr < RANK
-    pm = op < ROPE
-    full_tiles = T // BLOCK_T  # tiles of a sequence with no token past T
-    cur = p * n_items // P
-    end = (p + 1) * n_items // P
-    while cur < end:
-        b = cur // n_tiles
-        seg_end = tl.minimum(end, (b + 1) * n_tiles)
-        slot = p - ((b * n_tiles + 1) * P - 1) // n_items
-        t_first = cur - b * n_tiles
-        n_full = tl.maximum(tl.minimum(seg_end, b * n_tiles + full_tiles) - cur, 0)
-        q_c, q_p, acc = _load_q(Q + b * stride_qb, stride_qh, RANK, oh, orr, op, hm, rm, pm, BLOCK_H, BLOCK_R, SWAP)
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.full([BLOCK_H], 0.0, tl.float32)
-        l_base = L + b * stride_lb
-        mb = b * stride_mb
-        if INTERPRET:  # the interpreter cannot loop to a run-time bound with range
-            i = n_full * 0
-            while i < n_full:
-                m_i, l_i, acc = _step(q_c, q_p, m_i, l_i, acc, l_base, MASK, mb, (t_first + i) * BLOCK_T, T, stride_lt, RANK,
-                                      scaling, orr, op, rm, pm, BLOCK_T, HAS_MASK, True, SWAP, EVICT)
-                i += 1
-        else:
-            for i in range(n_full):
-                m_i, l_i, acc = _step(q_c, q_p, m_i, l_i, acc, l_base, MASK, mb, (t_first + i) * BLOCK_T, T, stride_lt, RANK,
-                                      scaling, orr, op, rm, pm, BLOCK_T, HAS_MASK, True, SWAP, EVICT)
-        if cur + n_full < seg_end:  # the sequence's ragged last tile
-            m_i, l_i, acc = _step(q_c, q_p, m_i, l_i, acc, l_base, MASK, mb, (t_first + n_full) * BLOCK_T, T, stride_lt, RANK,
-                                  scaling, orr, op, rm, pm, BLOCK_T, HAS_MASK, False, SWAP, EVICT)
-        _store_partial(ACC, M_OUT, L_OUT, b, slot, stride_ab, stride_as, stride_ah, stride_sb, stride_ss, stride_sh,
-                       acc, m_i, l_i, oh, orr, hm, rm, SWAP)
-        cur = seg_end
+                                  scaling, orr, op, rm, pm, BLOCK_T, HAS_MASK, False, SWAP)
+    if SWAP:
+        tl.store(ACC + b * stride_ab + s * stride_as + oh[None, :] * stride_ah + orr[:, None], acc,
+                 mask=hm[None, :] & rm[:, None])
+    else:
+        tl.store(ACC + b * stride_ab + s * stride_as + oh[:, None] * stride_ah + orr[None, :], acc,
+                 mask=hm[:, None] & rm[None, :])
+    tl.store(M_OUT + b * stride_sb + s * stride_ss + oh * stride_sh, m_i, mask=hm)
+    tl.store(L_OUT + b * stride_sb + s * stride_ss + oh * stride_sh, l_i, mask=hm)
