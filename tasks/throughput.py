@@ -42,6 +42,7 @@ BASELINES = ("original", "original static")
 PACKED_RUNS = ("original static", "converted absorb")
 # with `compiled_decode`, the absorbed run's steps as one compiled graph (transmla.runtime.compiled_decode)
 COMPILED_RUNS = ("converted absorb",)
+GEMM_NAMES = {"mkl": "MKL's packed sgemm", "onednn": "oneDNN's blocked layout"}
 
 
 def median_row(rows: list[dict]) -> dict:
@@ -151,18 +152,26 @@ def table(result: dict, title: str) -> str:
              "batch's KV cache, over the measured bandwidth). original = stock default (DynamicCache); original "
              "static = its best stock form (preallocated StaticCache); speedup = the faster of the two / this run.", ""]
     packed = sorted({r["run"] for r in result["decode"] if r.get("packed_weights")}, key=[x[0] for x in RUNS].index)
+    gemm = {r["gemm"] for r in result["decode"] if r.get("gemm")}
+    gemm_name = " / ".join(GEMM_NAMES.get(g, g) for g in sorted(gemm)) or "MKL's packed sgemm"
     if packed:
-        lines += [f"{' and '.join(packed)}: every linear layer on weights prepacked once for the batch (MKL's packed "
-                  "sgemm, `transmla.runtime.packed`; the packed copy takes about the weights' memory once more); the "
+        lines += [f"{' and '.join(packed)}: every linear layer on weights prepacked once for the batch ({gemm_name}, "
+                  "`transmla.runtime.packed`; the packed copy takes about the weights' memory once more); the "
                   "stock runs on PyTorch's own weight layout.", ""]
     compiled = [r for r in result["decode"] if r.get("compiled")]
     if compiled:
         first_compile = max(r.get("compile_s") or 0 for r in compiled)
         lines += [f"{' and '.join(sorted({r['run'] for r in compiled}))}: each step one torch.compile graph (inductor, "
-                  "weights frozen and prepacked by it) over a static latent cache (`transmla.runtime.compiled_decode`); "
-                  f"compiling took {first_compile:.0f} s once, not in the times.", ""]
+                  f"weights frozen and prepacked by it for {gemm_name}) over a static latent cache "
+                  f"(`transmla.runtime.compiled_decode`); compiling took {first_compile:.0f} s once, not in the times.", ""]
+    pass_ms = next((r["gemm_pass_ms"] for r in result["decode"] if r.get("gemm_pass_ms")), None)
+    if pass_ms:
+        lines += ["Packed GEMM kernel chosen by measurement on this CPU (`packed.fastest_kernel`: one pass of the batch "
+                  "through every linear weight): " + ", ".join(f"{GEMM_NAMES.get(k, k)} {v:.0f} ms" for k, v in pass_ms.items())
+                  + ".", ""]
     if bw:
-        lines += [f"Measured memory bandwidth ({bw['device']}, a {bw['copy_bytes'] / GIB:.0f} GiB copy, median of "
+        host = f"{bw['processor']}; " if bw.get("processor") else ""
+        lines += [f"Measured memory bandwidth ({host}{bw['device']}, a {bw['copy_bytes'] / GIB:.0f} GiB copy, median of "
                   f"{bw['repeats']}): {bw['bytes_per_s'] / 1e9:.1f} GB/s.", ""]
     lines += ["| context | " + " | ".join(runs) + " | " + " | ".join(f"speedup {r}" for r in others) + " |",
               "|---:|" + "---:|" * (len(runs) + len(others))]

@@ -342,13 +342,19 @@ def test_roofline_bytes(tiny_pair):
     assert bw["bytes_per_s"] > 0 and bw["best_bytes_per_s"] >= bw["bytes_per_s"]
 
 
-needs_packing = pytest.mark.skipif(not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")),
-                                   reason="PyTorch built without MKL: no packed sgemm")
+def _packed_kernels():
+    from transmla.runtime import packed
+
+    return packed.kernels()
+
+
+needs_packing = pytest.mark.skipif(not _packed_kernels(), reason="PyTorch built without MKL and oneDNN: no packed GEMM")
 
 
 @needs_packing
+@pytest.mark.parametrize("kernel", ["mkl", "onednn"])
 @pytest.mark.parametrize("fold", [None, True, False])
-def test_packed_weights_decode_like_the_stock_layout(mla, fold, monkeypatch):
+def test_packed_weights_decode_like_the_stock_layout(mla, fold, kernel, monkeypatch):
     """Every linear layer (and Absorb's folded matrices) on weights packed for the batch: the absorbed
     decode gives the stock forward's log-probs; the packed kernel really runs at the packed row count
     (prefill rows fall back to F.linear); leaving the context restores the model exactly."""
@@ -356,15 +362,19 @@ def test_packed_weights_decode_like_the_stock_layout(mla, fold, monkeypatch):
 
     from transmla.runtime import packed
 
+    if kernel not in packed.kernels():
+        pytest.skip(f"PyTorch built without {kernel}")
     keys, B = set(mla.state_dict()), 3
     calls = []
     real = packed.linear
     monkeypatch.setattr(packed, "linear", lambda x, w, b, p: calls.append((p is not None, x.numel() // x.shape[-1])) or real(x, w, b, p))
     ids = _ids(mla, batch=B, n=20)
     ref = _logprobs(mla, ids)
-    with absorbed(mla, fold=fold), packed.packed(mla, batch=B):
+    with absorbed(mla, fold=fold), packed.packed(mla, batch=B, kernel=kernel) as used:
+        assert used == kernel
         linears = [m for m in mla.modules() if isinstance(m, nn.Linear)]
         assert all(isinstance(getattr(m, packed.ATTR, None), packed.Packed) for m in linears)
+        assert {getattr(m, packed.ATTR).kernel for m in linears} == {kernel}
         folded = [m for m in mla.modules() if any(n in m._buffers for n in packed.ABSORB_MATRICES)]
         assert all(packed.packed_buffer(m, n).batch == B for m in folded for n in packed.ABSORB_MATRICES if n in m._buffers)
         got = _incremental(mla, ids, 6, LatentCache(mla.config))
@@ -392,6 +402,36 @@ def test_packed_weights_in_decode_step_and_refused_where_they_cannot_run(tiny_pa
         packed.pack(half)
     assert "packed_weights: false" in str(err.value)
     assert not packed.is_packed(half)
+    with pytest.raises(TransMLAError, match="'blas'") as err:
+        packed.pack(converted, kernel="blas")
+    assert "'auto'" in str(err.value) and not packed.is_packed(converted)
+
+
+@needs_packing
+def test_fastest_kernel_is_the_measured_one_and_measured_once(tiny_pair, monkeypatch):
+    """pack(kernel="auto") packs with the kernel that ran the model's weights fastest; the measurement is
+    made once per process for the same shapes, batch and threads (a choice that flipped on noise would
+    recompile a compiled step), and decode_step records the kernel and each kernel's time."""
+    from transmla.runtime import packed
+
+    _, converted = tiny_pair("llama")
+    measured, time_kernels = [], packed.time_kernels
+    for fast in packed.kernels():
+        monkeypatch.setattr(packed, "_FASTEST", {})
+        measured.clear()
+        fake = {k: (1.0 if k == fast else 2.0) for k in packed.kernels()}
+        monkeypatch.setattr(packed, "time_kernels", lambda w, b, fake=fake: measured.append(len(w)) or dict(fake))
+        assert packed.fastest_kernel(converted, 3) == (fast, fake)
+        assert packed.fastest_kernel(converted, 3)[0] == fast and len(measured) == 1  # not measured again
+        with packed.packed(converted, batch=3) as used:
+            assert used == fast
+            assert {m._packed_weight.kernel for m in converted.modules() if isinstance(m, torch.nn.Linear)} == {fast}
+        assert len(measured) == 1
+        measured.clear()
+        row = decode_step(converted, "absorb", context=8, batch=3, steps=2, threads=1, packed_weights=True)
+        assert row["gemm"] == fast and row["gemm_pass_ms"] == {k: 1e3 * v for k, v in fake.items()}
+    real = time_kernels([converted.lm_head.weight], 2, repeats=1)
+    assert set(real) == set(packed.kernels()) and all(t > 0 for t in real.values())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -461,6 +501,39 @@ def test_static_latent_cache_copies_repeats_and_refuses(tiny_pair):
     original = load_model(str(orig_dir))[0]
     with pytest.raises(TransMLAError, match="compiled_decode: false"):
         compiled_step(original)
+
+
+@pytest.mark.skipif("onednn" not in _packed_kernels(), reason="PyTorch built without oneDNN")
+def test_compiled_decode_on_onednn_gemms(tiny_pair):
+    """gemm="onednn": the batch is a dynamic dimension, so inductor prepacks the frozen linears for
+    oneDNN (mkldnn::_linear_pointwise) instead of MKL (its choice at a static batch); the log-probs are the
+    stock forward's."""
+    from torch.profiler import profile
+
+    from transmla.runtime.compiled_decode import StaticLatentCache, compiled_step
+
+    _, mla = tiny_pair("llama")
+    ids = _ids(mla, batch=3, n=10)
+    prompt = 6
+    ref = _logprobs(mla, ids)
+    torch._dynamo.reset()
+    with absorbed(mla):
+        prefill = LatentCache(mla.config)
+        with torch.no_grad():
+            mla(ids[:, :prompt], past_key_values=prefill, use_cache=True)
+        cache = StaticLatentCache.from_latent_cache(prefill, batch=3, capacity=12)
+        step = compiled_step(mla, gemm="onednn")
+        got = [torch.log_softmax(step(ids[:, prompt : prompt + 1], cache).float(), -1)]
+        cache.advance()
+        with profile() as prof:
+            for t in range(prompt + 1, ids.shape[1]):
+                got.append(torch.log_softmax(step(ids[:, t : t + 1], cache).float(), -1))
+                cache.advance()
+        ops = {e.key for e in prof.key_averages()}
+        with pytest.raises(TransMLAError, match="'blas'"):
+            compiled_step(mla, gemm="blas")
+    assert (torch.stack(got, 1) - ref[:, prompt:]).abs().max() < TOL
+    assert "mkldnn::_linear_pointwise" in ops and "mkl::_mkl_linear" not in ops
 
 
 def test_compiled_decode_in_decode_step(tiny_pair):

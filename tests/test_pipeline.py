@@ -357,7 +357,9 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
     calls = []
     real = tasks.throughput.decode_step
     monkeypatch.setattr(tasks.throughput, "decode_step", lambda *a, **k: calls.append(a[1:3]) or real(*a, **k))
-    packable = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    from transmla.runtime import packed
+
+    packable = bool(packed.kernels())
     prof = load_profile(write_profile(tmp_path, tiny_dir, name="tput"),
                         {"throughput": {"budgets": [0.25], "contexts": [16, 32], "batch": 2, "steps": 2,
                                         "full_contexts": [8], "repeats": 2}})
@@ -381,6 +383,8 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
         # weights itself); the stock defaults neither
         assert r["packed_weights"] is (packable and r["run"] == "original static")
         assert r["compiled"] is (r["run"] == "converted absorb")
+        # the prepacked GEMM kernel, chosen once by measurement, recorded for the packed and compiled runs
+        assert (r["gemm"] in packed.KERNELS) is (r["packed_weights"] or r["compiled"])
     assert [r["run"] for r in result["full"]] == ["original", "converted hf", "converted absorb"]
     # 2 layers: original 2 x 2 KV heads x 16 dims, converted 12 + 4 latent values, float32
     assert result["kv"]["original"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 4
@@ -394,6 +398,7 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
     assert "x bound)" in md and "GB/s" in md and "original static" in md
     assert ("original static: every linear layer on weights prepacked" in md) is packable
     assert "converted absorb: each step one torch.compile graph" in md and "compiling took" in md
+    assert ("Packed GEMM kernel chosen by measurement" in md) is packable and result["bandwidth"]["processor"] in md
     assert (out / "fig6_speedup.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((out / "results.json").read_text())["kv"] == result["kv"]
     runs = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.model` = 'tput'",

@@ -151,14 +151,23 @@ def check_compilable(model: nn.Module) -> None:
         raise TransMLAError("The compiled decode step needs the absorbed model.", "call transmla.runtime.absorb.enable_absorb(model) first.")
 
 
-def compiled_step(model: nn.Module, freezing: bool = True):
+GEMMS = ("mkl", "onednn")
+
+
+def compiled_step(model: nn.Module, freezing: bool = True, gemm: str = "mkl"):
     """`decode_step` compiled by torch.compile (inductor, static shapes); call it under torch.no_grad().
 
     freezing: inductor treats the weights as constants (prepacked GEMMs; the graph keeps the weights it
-    saw). The first call compiles (about a minute for a 30-layer model on 2 CPU cores); a new batch size
-    compiles again, a new capacity does not (it is marked dynamic). Raises TransMLAError when `check_compilable` fails.
+    saw). gemm: the prepacked kernel of the frozen linears (`runtime.packed`: "mkl", inductor's choice
+    at a static batch, or "onednn", its choice when the batch is a dynamic dimension, so "onednn" marks
+    the batch of the ids and of the cache dynamic; `packed.fastest_kernel` says which is faster on this
+    CPU). The first call compiles (about a minute for a 30-layer model on 2 CPU cores); a new batch size
+    compiles again ("mkl"), a new capacity does not (it is marked dynamic). Raises TransMLAError when
+    `check_compilable` fails or gemm is not one of GEMMS.
     """
     check_compilable(model)
+    if gemm not in GEMMS:
+        raise TransMLAError(f"Unknown GEMM kernel {gemm!r} for the compiled decode step.", f"use one of {GEMMS}.")
     compiled = torch.compile(decode_step, dynamic=False)
 
     def step(ids: torch.Tensor, cache: StaticLatentCache) -> torch.Tensor:
@@ -166,6 +175,10 @@ def compiled_step(model: nn.Module, freezing: bool = True):
         # it compiles, which is at the first call and at every recompile (torch.compile's `options`
         # did not reach it here: 111 ms per step unfrozen vs 69 ms frozen, SmolLM2 87.5%, 4K)
         cache.check_room()
+        if gemm == "onednn":  # a symbolic batch: inductor lowers the frozen linears to oneDNN, not MKL
+            torch._dynamo.mark_dynamic(ids, 0)
+            for buf in cache.buffers:
+                torch._dynamo.mark_dynamic(buf, 0)
         with torch.no_grad(), inductor_config.patch(freezing=freezing):
             return compiled(model, ids, cache)
 

@@ -1,19 +1,26 @@
-"""Prepacked decode GEMMs on CPU: every linear layer's weight reordered once for MKL's packed sgemm.
+"""Prepacked decode GEMMs on CPU: every linear layer's weight reordered once for the batch.
 
 A decode step multiplies a handful of rows (the batch) by every weight of the model, so on a CPU it is
 a stream of skinny GEMMs [B, in] x [in, out] whose cost is reading the weights. From PyTorch's
 [out, in] layout MKL reaches a third to a half of the machine's read bandwidth at B = 8 (it repacks
-panels of the weight on every call); from a weight packed once for B rows (MKL's
-`cblas_sgemm_pack`, what torch.compile's CPU backend uses for frozen linears) the same products run
-1.7-4.5x faster. Measured here (2 cores, B = 8, the SmolLM2 87.5% export's matrices): all linears of one
-decode step 74 -> 30 ms; oneDNN's blocked layout, the other prepacked kernel PyTorch ships, 41 ms.
-The packed copy costs memory, about the weights' size once more (measured: +0.57 GB of RSS for the
-SmolLM2 87.5% export's 0.64 GB of parameters, +0.54 GB for the original's 0.54 GB), since the stock
-weights stay: for saving, for prefill and any other number of rows, where the call falls back to
-F.linear. CPU-only, float32.
+panels of the weight on every call). A weight packed once for B rows runs the same products 1.7-4.5x
+faster. PyTorch ships two such kernels, and which one is faster depends on the CPU:
 
-    with packed(model, batch=8):   # every nn.Linear (and Absorb's folded matrices) on the packed kernel
-        model(...)                 # same outputs to float32 rounding (another summation order)
+- `mkl`: MKL's packed sgemm (`cblas_sgemm_pack`, what torch.compile's CPU backend uses for frozen
+  linears at a static batch);
+- `onednn`: oneDNN's blocked layout (`mkldnn._reorder_linear_weight` / `_linear_pointwise`, what it uses
+  at a dynamic batch).
+
+Measured (2 cores, B = 8, one decode step's linears of the SmolLM2 87.5% export): on an AVX-512 Xeon
+MKL 30 ms and oneDNN 41 ms (unpacked 74 ms); on an AMD EPYC without AVX-512 MKL reads the weights at
+5.9 GB/s and oneDNN at 12.6 GB/s. So `pack(kernel="auto")` times both on the model's own weights
+(`fastest_kernel`: one pass over every linear, a fraction of a second) and packs with the faster one.
+The packed copy costs memory, about the weights' size once more (measured with MKL: +0.57 GB of RSS
+for the SmolLM2 87.5% export's 0.64 GB of parameters), since the stock weights stay: for saving, for
+prefill and any other number of rows. CPU-only, float32.
+
+    with packed(model, batch=8) as kernel:   # every nn.Linear (and Absorb's folded matrices) packed
+        model(...)                           # same outputs to float32 rounding (another summation order)
 
 The packed weight is a plain attribute of its module (`_packed_weight`), not a parameter or buffer:
 `state_dict`, `save_pretrained` and `.to()` never see it. Packing is a snapshot: pack again after
@@ -23,6 +30,7 @@ changing the weights.
 from __future__ import annotations
 
 import contextlib
+import time
 import types
 
 import torch
@@ -37,30 +45,90 @@ ATTR = "_packed_weight"
 ABSORB_MATRICES = ("absorb_q_weight", "absorb_o_weight")
 
 
+KERNELS = ("mkl", "onednn")
+
+
+def kernels() -> list[str]:
+    """The packed-GEMM kernels this PyTorch build has, of KERNELS."""
+    have = []
+    if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
+        have.append("mkl")
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        have.append("onednn")
+    return have
+
+
 def available(model) -> bool:
-    """True when `model` can run on packed weights: float32 on CPU and a PyTorch built with MKL."""
+    """True when `model` can run on packed weights: float32 on CPU and a PyTorch with MKL or oneDNN."""
     p = next(model.parameters(), None)
-    return (p is not None and p.device.type == "cpu" and p.dtype == torch.float32
-            and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
+    return p is not None and p.device.type == "cpu" and p.dtype == torch.float32 and bool(kernels())
 
 
 class Packed:
-    """A weight [out, in] packed for `batch` input rows, with the weight itself for any other count."""
+    """A weight [out, in] packed for `batch` input rows by `kernel` (one of KERNELS), with the weight
+    itself for MKL's fallback at any other row count."""
 
-    __slots__ = ("data", "weight", "batch")
+    __slots__ = ("data", "weight", "batch", "kernel")
 
-    def __init__(self, weight: torch.Tensor, batch: int):
+    def __init__(self, weight: torch.Tensor, batch: int, kernel: str = "mkl"):
         self.weight = weight.detach()
-        self.data = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, batch)
         self.batch = batch
+        self.kernel = kernel
+        if kernel == "onednn":
+            self.data = torch.ops.mkldnn._reorder_linear_weight(self.weight, batch)
+        else:
+            self.data = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, batch)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed_weight: Packed | None) -> torch.Tensor:
-    """F.linear(x, weight, bias) [..., out], from `packed_weight` when there is one (MKL uses it when x has
-    exactly its `batch` rows and falls back to F.linear otherwise). x [..., in]."""
+    """F.linear(x, weight, bias) [..., out], from `packed_weight` when there is one. x [..., in]. MKL runs
+    its packed kernel when x has exactly `batch` rows and F.linear otherwise; oneDNN takes any rows."""
     if packed_weight is None:
         return F.linear(x, weight, bias)
+    if packed_weight.kernel == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight.data, bias, "none", [], "")
     return torch.ops.mkl._mkl_linear(x, packed_weight.data, packed_weight.weight, bias, packed_weight.batch)
+
+
+def time_kernels(weights: list[torch.Tensor], batch: int, repeats: int = 3) -> dict[str, float]:
+    """Seconds for one pass of `batch` rows through every weight [out, in] of `weights` on each kernel
+    this build has (packed once, one warm-up pass, the fastest of `repeats` passes)."""
+    xs = {n: torch.randn(batch, n) for n in {w.shape[1] for w in weights}}
+    out = {}
+    for kernel in kernels():
+        packs = [Packed(w, batch, kernel) for w in weights]
+        best = None
+        for i in range(repeats + 1):
+            t = time.perf_counter()
+            for p in packs:
+                linear(xs[p.weight.shape[1]], p.weight, None, p)
+            dt = time.perf_counter() - t
+            if i and (best is None or dt < best):
+                best = dt
+        out[kernel] = best
+        del packs
+    return out
+
+
+# fastest_kernel's measurements per (weight shapes, batch, threads): the choice is the CPU's and the
+# shapes', so it is made once per process (a choice that flipped on noise would recompile a compiled step)
+_FASTEST: dict = {}
+
+
+@torch.no_grad()
+def fastest_kernel(model, batch: int) -> tuple[str, dict[str, float]]:
+    """The packed kernel that runs `model`'s linear weights fastest at `batch` rows on this CPU, and the
+    seconds per pass of each (`time_kernels`; measured once per process for these shapes, batch and
+    thread count). Raises TransMLAError when `available(model)` is False."""
+    if not available(model):
+        raise TransMLAError("Packed weights need a float32 model on CPU and a PyTorch built with MKL or oneDNN.",
+                            "run without packing (throughput.packed_weights: false) on this model or device.")
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    key = (tuple(tuple(w.shape) for w in weights), batch, torch.get_num_threads())
+    if key not in _FASTEST:
+        _FASTEST[key] = time_kernels(weights, batch)
+    times = _FASTEST[key]
+    return min(times, key=times.get), dict(times)
 
 
 def packed_buffer(module: nn.Module, name: str) -> Packed | None:
@@ -82,19 +150,26 @@ def is_packed(model) -> bool:
 
 
 @torch.no_grad()
-def pack(model, batch: int = 8) -> None:
+def pack(model, batch: int = 8, kernel: str = "auto") -> str:
     """Pack every nn.Linear of `model` and Absorb's folded matrices (when absorbed) for `batch` rows, in
-    place. Raises TransMLAError when `available(model)` is False."""
+    place, with `kernel` (one of KERNELS, or "auto": `fastest_kernel` on this CPU). Returns the kernel.
+    Raises TransMLAError when `available(model)` is False or the kernel is not in this build."""
     if not available(model):
-        raise TransMLAError("Packed weights need a float32 model on CPU and a PyTorch built with MKL.",
+        raise TransMLAError("Packed weights need a float32 model on CPU and a PyTorch built with MKL or oneDNN.",
                             "run without packing (throughput.packed_weights: false) on this model or device.")
+    if kernel == "auto":
+        kernel = fastest_kernel(model, batch)[0]
+    if kernel not in kernels():
+        raise TransMLAError(f"Packed kernel {kernel!r} is not available in this PyTorch build (it has {kernels()}).",
+                            f"use one of {kernels()} or 'auto'.")
     for mod in model.modules():
         if isinstance(mod, nn.Linear):
-            setattr(mod, ATTR, Packed(mod.weight, batch))
+            setattr(mod, ATTR, Packed(mod.weight, batch, kernel))
             mod.forward = types.MethodType(_forward, mod)
         for name in ABSORB_MATRICES:
             if name in mod._buffers:
-                mod.__dict__[name + "_packed"] = Packed(mod._buffers[name], batch)
+                mod.__dict__[name + "_packed"] = Packed(mod._buffers[name], batch, kernel)
+    return kernel
 
 
 def unpack(model) -> None:
@@ -111,13 +186,13 @@ def unpack(model) -> None:
 
 
 @contextlib.contextmanager
-def packed(model, enabled: bool = True, batch: int = 8):
-    """Context manager: `model` on packed weights inside (enabled and not already packed), as before after."""
+def packed(model, enabled: bool = True, batch: int = 8, kernel: str = "auto"):
+    """Context manager: `model` on packed weights inside (enabled and not already packed), as before
+    after. Yields the kernel it packed with (None when it did not pack)."""
     mine = enabled and not is_packed(model)
-    if mine:
-        pack(model, batch)
+    used = pack(model, batch, kernel) if mine else None
     try:
-        yield model
+        yield used
     finally:
         if mine:
             unpack(model)

@@ -28,6 +28,7 @@ import functools
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -158,7 +159,30 @@ def memory_bandwidth(device="cpu", nbytes: int = 1 << 30, repeats: int = 5) -> d
     med = times[len(times) // 2]
     del src, dst
     return {"device": str(torch.device(device)), "bytes_per_s": 2 * n * 4 / med, "copy_bytes": n * 4,
-            "best_bytes_per_s": 2 * n * 4 / times[0], "repeats": repeats}
+            "best_bytes_per_s": 2 * n * 4 / times[0], "repeats": repeats, "processor": processor_name(device)}
+
+
+def processor_name(device="cpu") -> str:
+    """The device's model name, so numbers from different machines are not compared blind: the GPU's
+    name, or the CPU's from /proc/cpuinfo (platform.processor() elsewhere) with its core count and
+    whether it has AVX-512 (which decides much of the CPU kernels' speed)."""
+    import platform
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    name, flags = platform.processor() or platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name in (platform.processor(), platform.machine()):
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = value
+    except OSError:
+        pass
+    avx512 = "avx512f" in flags.split()
+    return f"{name}, {os.cpu_count()} cores{', AVX-512' if avx512 else (', no AVX-512' if flags else '')}"
 
 
 def weight_bytes_per_step(model) -> int:
@@ -388,6 +412,7 @@ def decode_step(
     bandwidth: float | None = None,
     packed_weights: bool = False,
     compiled: bool = False,
+    gemm: str = "auto",
 ) -> dict:
     """Time per output token at a given context, without a full run: prefill ONE random sequence of
     `context` tokens, replicate its cache to `batch` rows (`Cache.batch_repeat_interleave`; the cost of a
@@ -403,6 +428,10 @@ def decode_step(
     only): the steps run as one torch.compile graph over a static latent cache (`runtime.compiled_decode`,
     inductor prepacks the weights itself, so `packed_weights` does not apply); the first warm-up step
     compiles (or reuses the graph of an earlier call), its seconds are in the row as `compile_s`.
+    `gemm`: the prepacked GEMM kernel of both (`runtime.packed.KERNELS`, or "auto": the faster on this CPU
+    for the model's weights at this batch, `packed.fastest_kernel`); the row records the kernel used
+    (`gemm`, None when nothing was packed) and, for "auto", each kernel's time for one pass over the
+    weights (`gemm_pass_ms`).
 
     Returns: median / min / max time per output token (ms), batch / median as decode tokens/s, the cache
     length reached, the single-sequence prefill seconds and the cache's measured bytes per token.
@@ -426,12 +455,22 @@ def decode_step(
     compiled = compiled and backend == "absorb"
     packed_weights = packed_weights and not compiled and packed.available(model)
     compile_s = None
+    gemm_used, gemm_pass_ms = None, None
     try:
         # no_grad, not inference_mode, around a compiled run: its static cache is written in place by the
         # graph, and inductor freezes weights only with gradients off
         with absorbed(model, enabled=backend == "absorb") if is_mla(config) else contextlib.nullcontext(), \
-                packed.packed(model, enabled=packed_weights, batch=batch), \
+                packed.packed(model, enabled=packed_weights, batch=batch, kernel=gemm) as packed_with, \
                 torch.no_grad() if compiled else torch.inference_mode():
+            if (packed_weights or compiled) and gemm == "auto" and packed.available(model):
+                gemm_used, per_kernel = packed.fastest_kernel(model, batch)  # measured once per process
+                gemm_pass_ms = {k: 1e3 * v for k, v in per_kernel.items()}
+            if packed_with:  # eager on packed weights: the kernel pack() used
+                gemm_used = packed_with
+            elif compiled:  # the kernel inductor prepacks the frozen linears for (its own default: MKL)
+                gemm_used = gemm_used or (gemm if gemm != "auto" else "mkl")
+            else:
+                gemm_used = None
             total = context + warmup_steps + steps
             cache = LatentCache(config, max_cache_len=total) if backend == "absorb" else DynamicCache(config=config)
             synchronize(dev)
@@ -442,7 +481,7 @@ def decode_step(
             nxt = out.logits[:, -1:].argmax(-1).repeat(batch, 1)  # [batch, 1]
             if compiled:
                 cache = compiled_decode.StaticLatentCache.from_latent_cache(cache, batch, total)
-                step = compiled_decode.compiled_step(model)
+                step = compiled_decode.compiled_step(model, gemm=gemm_used)
             elif backend == "static":
                 cache = static_copy(cache, config, batch, total)
             else:
@@ -478,6 +517,8 @@ def decode_step(
         "packed_weights": packed_weights,
         "compiled": compiled,
         "compile_s": compile_s,
+        "gemm": gemm_used,
+        "gemm_pass_ms": gemm_pass_ms,
         "context": context,
         "batch": batch,
         "steps": steps,
