@@ -151,9 +151,6 @@ def check_compilable(model: nn.Module) -> None:
         raise TransMLAError("The compiled decode step needs the absorbed model.", "call transmla.runtime.absorb.enable_absorb(model) first.")
 
 
-GEMMS = ("mkl", "onednn")
-
-
 def compiled_step(model: nn.Module, freezing: bool = True, gemm: str = "mkl"):
     """`decode_step` compiled by torch.compile (inductor, static shapes); call it under torch.no_grad().
 
@@ -163,11 +160,13 @@ def compiled_step(model: nn.Module, freezing: bool = True, gemm: str = "mkl"):
     the batch of the ids and of the cache dynamic; `packed.fastest_kernel` says which is faster on this
     CPU). The first call compiles (about a minute for a 30-layer model on 2 CPU cores); a new batch size
     compiles again ("mkl"), a new capacity does not (it is marked dynamic). Raises TransMLAError when
-    `check_compilable` fails or gemm is not one of GEMMS.
+    `check_compilable` fails or gemm is not one of `packed.KERNELS`.
     """
+    from transmla.runtime.packed import KERNELS
+
     check_compilable(model)
-    if gemm not in GEMMS:
-        raise TransMLAError(f"Unknown GEMM kernel {gemm!r} for the compiled decode step.", f"use one of {GEMMS}.")
+    if gemm not in KERNELS:
+        raise TransMLAError(f"Unknown GEMM kernel {gemm!r} for the compiled decode step.", f"use one of {KERNELS}.")
     compiled = torch.compile(decode_step, dynamic=False)
 
     def step(ids: torch.Tensor, cache: StaticLatentCache) -> torch.Tensor:

@@ -171,16 +171,14 @@ def processor_name(device="cpu") -> str:
     dev = torch.device(device)
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
-    name, flags = platform.processor() or platform.machine(), ""
+    info = {}  # the first processor's fields
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and name in (platform.processor(), platform.machine()):
-                name = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = value
+            info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    name, flags = info.get("model name") or platform.processor() or platform.machine(), info.get("flags", "")
     avx512 = "avx512f" in flags.split()
     return f"{name}, {os.cpu_count()} cores{', AVX-512' if avx512 else (', no AVX-512' if flags else '')}"
 
@@ -457,20 +455,20 @@ def decode_step(
     compile_s = None
     gemm_used, gemm_pass_ms = None, None
     try:
+        # the prepacked GEMM kernel of the packed or compiled run, chosen once (after the thread count is set)
+        if packed_weights or compiled:
+            if gemm != "auto":
+                gemm_used = gemm
+            elif packed.available(model):
+                gemm_used, per_kernel = packed.fastest_kernel(model, batch)  # measured once per process
+                gemm_pass_ms = {k: 1e3 * v for k, v in per_kernel.items()}
+            else:  # compiled, not float32: inductor's own choice at a static batch
+                gemm_used = "mkl"
         # no_grad, not inference_mode, around a compiled run: its static cache is written in place by the
         # graph, and inductor freezes weights only with gradients off
         with absorbed(model, enabled=backend == "absorb") if is_mla(config) else contextlib.nullcontext(), \
-                packed.packed(model, enabled=packed_weights, batch=batch, kernel=gemm) as packed_with, \
+                packed.packed(model, enabled=packed_weights, batch=batch, kernel=gemm_used), \
                 torch.no_grad() if compiled else torch.inference_mode():
-            if (packed_weights or compiled) and gemm == "auto" and packed.available(model):
-                gemm_used, per_kernel = packed.fastest_kernel(model, batch)  # measured once per process
-                gemm_pass_ms = {k: 1e3 * v for k, v in per_kernel.items()}
-            if packed_with:  # eager on packed weights: the kernel pack() used
-                gemm_used = packed_with
-            elif compiled:  # the kernel inductor prepacks the frozen linears for (its own default: MKL)
-                gemm_used = gemm_used or (gemm if gemm != "auto" else "mkl")
-            else:
-                gemm_used = None
             total = context + warmup_steps + steps
             cache = LatentCache(config, max_cache_len=total) if backend == "absorb" else DynamicCache(config=config)
             synchronize(dev)
