@@ -100,8 +100,30 @@ def closure(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
             proj, ext = imports_of(m)
             external |= ext
             todo.extend(proj - seen)
-    files = sorted(str(module_file(m).relative_to(REPO_ROOT)) for m in seen)
-    return tuple(files), tuple(sorted(external))
+    files = {str(module_file(m).relative_to(REPO_ROOT)) for m in seen}
+    files |= {f for m in seen for f in native_sources(m)}
+    return tuple(sorted(files)), tuple(sorted(external))
+
+
+@functools.lru_cache(maxsize=None)
+def native_sources(name: str) -> tuple[str, ...]:
+    """Repo-relative files of the module-level `NATIVE_SOURCES = ("csrc/x.cpp", ...)` of module `name`
+    (paths relative to its directory): code it compiles and runs (runtime.stream_gemm's C++ kernel),
+    which no import names."""
+    path = module_file(name)
+    for node in ast.parse(path.read_text(), filename=str(path)).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "NATIVE_SOURCES" for t in targets):
+                value = ast.literal_eval(node.value)
+                out = []
+                for rel in value:
+                    f = (path.parent / rel).resolve()
+                    if not f.is_file():
+                        raise ImportProblem(f"{path.relative_to(REPO_ROOT)}: NATIVE_SOURCES names {rel}, which does not exist")
+                    out.append(str(f.relative_to(REPO_ROOT)))
+                return tuple(out)
+    return ()
 
 
 @functools.lru_cache(maxsize=None)

@@ -42,7 +42,8 @@ BASELINES = ("original", "original static")
 PACKED_RUNS = ("original static", "converted absorb")
 # with `compiled_decode`, the absorbed run's steps as one compiled graph (transmla.runtime.compiled_decode)
 COMPILED_RUNS = ("converted absorb",)
-GEMM_NAMES = {"mkl": "MKL's packed sgemm", "onednn": "oneDNN's blocked layout"}
+GEMM_NAMES = {"mkl": "MKL's packed sgemm", "onednn": "oneDNN's blocked layout",
+              "stream": "the stream kernel on the stock layout (`transmla.runtime.stream_gemm`)"}
 
 
 def median_row(rows: list[dict]) -> dict:
@@ -154,19 +155,26 @@ def table(result: dict, title: str) -> str:
     packed = sorted({r["run"] for r in result["decode"] if r.get("packed_weights")}, key=[x[0] for x in RUNS].index)
     gemm = {r["gemm"] for r in result["decode"] if r.get("gemm")}
     gemm_name = " / ".join(GEMM_NAMES.get(g, g) for g in sorted(gemm)) or "MKL's packed sgemm"
-    if packed:
+    stream = gemm == {"stream"}  # nothing packed: the kernel reads the stock weights
+    if packed and stream:
+        lines += [f"{' and '.join(packed)}: every linear layer through {gemm_name}, which reads each weight once per "
+                  "step for all rows of the batch (`transmla.runtime.packed`; no packed copy); the stock runs on "
+                  "PyTorch's F.linear.", ""]
+    elif packed:
         lines += [f"{' and '.join(packed)}: every linear layer on weights prepacked once for the batch ({gemm_name}, "
                   "`transmla.runtime.packed`; the packed copy takes about the weights' memory once more); the "
                   "stock runs on PyTorch's own weight layout.", ""]
     compiled = [r for r in result["decode"] if r.get("compiled")]
     if compiled:
         first_compile = max(r.get("compile_s") or 0 for r in compiled)
+        how = (f"weights frozen, every linear one call of {gemm_name}" if stream
+               else f"weights frozen and prepacked by it for {gemm_name}")
         lines += [f"{' and '.join(sorted({r['run'] for r in compiled}))}: each step one torch.compile graph (inductor, "
-                  f"weights frozen and prepacked by it for {gemm_name}) over a static latent cache "
+                  f"{how}) over a static latent cache "
                   f"(`transmla.runtime.compiled_decode`); compiling took {first_compile:.0f} s once, not in the times.", ""]
     pass_ms = next((r["gemm_pass_ms"] for r in result["decode"] if r.get("gemm_pass_ms")), None)
     if pass_ms:
-        lines += ["Packed GEMM kernel chosen by measurement on this CPU (`packed.fastest_kernel`: one pass of the batch "
+        lines += ["GEMM kernel chosen by measurement on this CPU (`packed.fastest_kernel`: one pass of the batch "
                   "through every linear weight): " + ", ".join(f"{GEMM_NAMES.get(k, k)} {v:.0f} ms" for k, v in pass_ms.items())
                   + ".", ""]
     if bw:

@@ -352,13 +352,14 @@ needs_packing = pytest.mark.skipif(not _packed_kernels(), reason="PyTorch built 
 
 
 @needs_packing
-@pytest.mark.parametrize("kernel", ["mkl", "onednn"])
+@pytest.mark.parametrize("kernel", ["mkl", "onednn", "stream"])
 @pytest.mark.parametrize("fold", [None, True, False])
 def test_packed_weights_decode_like_the_stock_layout(mla, fold, kernel, monkeypatch):
     """Every linear layer (and Absorb's folded matrices) on weights packed for the batch: the absorbed
     decode gives the stock forward's log-probs; the packed kernel really runs at the packed row count
     (prefill rows fall back to F.linear); leaving the context restores the model exactly."""
     from torch import nn
+    from torch.profiler import profile
 
     from transmla.runtime import packed
 
@@ -377,9 +378,12 @@ def test_packed_weights_decode_like_the_stock_layout(mla, fold, kernel, monkeypa
         assert {getattr(m, packed.ATTR).kernel for m in linears} == {kernel}
         folded = [m for m in mla.modules() if any(n in m._buffers for n in packed.ABSORB_MATRICES)]
         assert all(packed.packed_buffer(m, n).batch == B for m in folded for n in packed.ABSORB_MATRICES if n in m._buffers)
-        got = _incremental(mla, ids, 6, LatentCache(mla.config))
+        with profile() as prof:
+            got = _incremental(mla, ids, 6, LatentCache(mla.config))
         assert set(mla.state_dict()) == keys  # the packed copies are invisible to saving
     assert (got - ref).abs().max() < TOL
+    op = {"mkl": "mkl::_mkl_linear", "onednn": "mkldnn::_linear_pointwise", "stream": "transmla::stream_linear"}[kernel]
+    assert op in {e.key for e in prof.key_averages()}
     step_calls = [has for has, rows in calls if rows == B]  # the decode steps' products: all on packed weights
     assert all(step_calls) and len(step_calls) >= (20 - 6) * mla.config.num_hidden_layers
     assert not packed.is_packed(mla) and all("forward" not in m.__dict__ for m in linears)
@@ -534,6 +538,66 @@ def test_compiled_decode_on_onednn_gemms(tiny_pair):
             compiled_step(mla, gemm="blas")
     assert (torch.stack(got, 1) - ref[:, prompt:]).abs().max() < TOL
     assert "mkldnn::_linear_pointwise" in ops and "mkl::_mkl_linear" not in ops
+
+
+@pytest.mark.skipif("stream" not in _packed_kernels(), reason="no AVX2 CPU or no C++ toolchain for the stream kernel")
+def test_compiled_decode_on_the_stream_kernel(tiny_pair):
+    """gemm="stream": every linear of the compiled step is one transmla::stream_linear call on the stock
+    weights (no MKL or oneDNN linear left in the graph); the log-probs are the stock forward's; compiling
+    it for a model whose linears are not packed with the kernel is refused."""
+    from torch.profiler import profile
+
+    from transmla.runtime import packed
+    from transmla.runtime.compiled_decode import StaticLatentCache, compiled_step
+
+    _, mla = tiny_pair("llama")
+    ids = _ids(mla, batch=3, n=10)
+    prompt = 6
+    ref = _logprobs(mla, ids)
+    torch._dynamo.reset()
+    with absorbed(mla):
+        with pytest.raises(TransMLAError, match="kernel='stream'"):
+            compiled_step(mla, gemm="stream")
+        prefill = LatentCache(mla.config)
+        with torch.no_grad():
+            mla(ids[:, :prompt], past_key_values=prefill, use_cache=True)
+        cache = StaticLatentCache.from_latent_cache(prefill, batch=3, capacity=12)
+        with packed.packed(mla, batch=3, kernel="stream") as used:
+            assert used == "stream"
+            step = compiled_step(mla, gemm="stream")
+            got = [torch.log_softmax(step(ids[:, prompt : prompt + 1], cache).float(), -1)]
+            cache.advance()
+            with profile() as prof:
+                for t in range(prompt + 1, ids.shape[1]):
+                    got.append(torch.log_softmax(step(ids[:, t : t + 1], cache).float(), -1))
+                    cache.advance()
+        ops = {e.key for e in prof.key_averages()}
+    assert (torch.stack(got, 1) - ref[:, prompt:]).abs().max() < TOL
+    assert "transmla::stream_linear" in ops
+    assert not ops & {"mkldnn::_linear_pointwise", "mkl::_mkl_linear", "aten::addmm", "aten::linear"}
+
+
+@pytest.mark.skipif("stream" not in _packed_kernels(), reason="no AVX2 CPU or no C++ toolchain for the stream kernel")
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_stream_kernel_equals_linear(rows):
+    """transmla::stream_linear = F.linear for any row count (the 8-row register blocks, a ragged last
+    block, tiles of weight rows), a width that is not a multiple of 8, with and without bias, and
+    leading batch dimensions; it refuses what it does not compute."""
+    from transmla.runtime.stream_gemm import stream_linear
+
+    g = torch.Generator().manual_seed(rows)
+    for k, n in [(13, 5), (64, 40), (600, 49)]:
+        x, w, b = torch.randn(2, rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        for bias in (b, None):
+            want = torch.nn.functional.linear(x, w, bias)
+            got = stream_linear(x, w, bias)
+            assert got.shape == want.shape
+            assert (got - want).abs().max() < 1e-4 * want.abs().max()
+        assert torch.equal(stream_linear(x[:, :0], w, b), x.new_empty(2, 0, n))
+    with pytest.raises(RuntimeError, match="float32"):
+        stream_linear(x.double(), w.double(), None)
+    with pytest.raises(RuntimeError, match=r"weight \[N, K\]"):
+        stream_linear(x, w.T.contiguous(), None)
 
 
 def test_compiled_decode_in_decode_step(tiny_pair):

@@ -69,6 +69,18 @@ def test_closures_are_what_the_tasks_run():
     assert "transmla/method/mla.py" in ft  # norm_identity_scale
 
 
+def test_native_sources_are_in_the_closure_and_the_key(monkeypatch):
+    """The C++ a module compiles (its NATIVE_SOURCES) is code the step runs: in the closure of every task
+    that can reach it, and a change to it changes the key."""
+    files, _ = codehash.closure("tasks.throughput")
+    assert {"transmla/runtime/stream_gemm.py", "transmla/runtime/csrc/stream_linear.cpp"} <= set(files)
+    assert "transmla/runtime/csrc/stream_linear.cpp" not in codehash.closure("tasks.rorope")[0]
+    key = codehash.code_key("tasks.throughput")
+    real = codehash.file_digest
+    monkeypatch.setattr(codehash, "file_digest", lambda f: "edited" if f.endswith(".cpp") else real(f))
+    assert codehash.code_key("tasks.throughput") != key
+
+
 def test_key_covers_package_versions(monkeypatch):
     from tasks.evaluate import benchmarks
     from tasks.rorope import layer_rotation

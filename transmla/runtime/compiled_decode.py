@@ -158,15 +158,23 @@ def compiled_step(model: nn.Module, freezing: bool = True, gemm: str = "mkl"):
     saw). gemm: the prepacked kernel of the frozen linears (`runtime.packed`: "mkl", inductor's choice
     at a static batch, or "onednn", its choice when the batch is a dynamic dimension, so "onednn" marks
     the batch of the ids and of the cache dynamic; `packed.fastest_kernel` says which is faster on this
-    CPU). The first call compiles (about a minute for a 30-layer model on 2 CPU cores); a new batch size
-    compiles again ("mkl"), a new capacity does not (it is marked dynamic). Raises TransMLAError when
-    `check_compilable` fails or gemm is not one of `packed.KERNELS`.
+    CPU; or "stream", `runtime.stream_gemm`'s kernel on the stock weights: the model must be packed with
+    it, `packed.pack(model, batch, kernel="stream")`, so that every linear is one call of that operator
+    in the graph, which inductor keeps as it is). The first call compiles (about a minute for a 30-layer
+    model on 2 CPU cores); a new batch size compiles again ("mkl", "stream"), a new capacity does not
+    (it is marked dynamic). Raises TransMLAError when `check_compilable` fails, gemm is not one of
+    `packed.KERNELS` or, for "stream", the model is not packed with it.
     """
-    from transmla.runtime.packed import KERNELS
+    from transmla.runtime.packed import ATTR, KERNELS
 
     check_compilable(model)
     if gemm not in KERNELS:
         raise TransMLAError(f"Unknown GEMM kernel {gemm!r} for the compiled decode step.", f"use one of {KERNELS}.")
+    if gemm == "stream":
+        kinds = {getattr(getattr(m, ATTR, None), "kernel", None) for m in model.modules() if isinstance(m, nn.Linear)}
+        if kinds != {"stream"}:
+            raise TransMLAError("gemm='stream' compiles the stream kernel's calls, but the model's linears are not packed with it.",
+                                "call transmla.runtime.packed.pack(model, batch, kernel='stream') first.")
     compiled = torch.compile(decode_step, dynamic=False)
 
     def step(ids: torch.Tensor, cache: StaticLatentCache) -> torch.Tensor:

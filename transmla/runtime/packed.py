@@ -13,11 +13,17 @@ faster. PyTorch ships two such kernels, and which one is faster depends on the C
 
 Measured (2 cores, B = 8, one decode step's linears of the SmolLM2 87.5% export): on an AVX-512 Xeon
 MKL 30 ms and oneDNN 41 ms (unpacked 74 ms); on an AMD EPYC without AVX-512 MKL reads the weights at
-5.9 GB/s and oneDNN at 12.6 GB/s. So `pack(kernel="auto")` times both on the model's own weights
-(`fastest_kernel`: one pass over every linear, a fraction of a second) and packs with the faster one.
-The packed copy costs memory, about the weights' size once more (measured with MKL: +0.57 GB of RSS
-for the SmolLM2 87.5% export's 0.64 GB of parameters), since the stock weights stay: for saving, for
-prefill and any other number of rows. CPU-only, float32.
+5.9 GB/s and oneDNN at 12.6 GB/s. A third kernel is this project's own:
+
+- `stream`: `runtime.stream_gemm`, which streams the stock [out, in] weights once per call with all
+  the rows at once (no packed copy; built on first use, AVX2 CPUs): on that EPYC 32 ms per pass
+  against oneDNN's 51 ms and MKL's 103 ms (one process).
+
+So `pack(kernel="auto")` times every kernel this build has on the model's own weights
+(`fastest_kernel`: one pass over every linear, a fraction of a second) and packs with the fastest.
+MKL's and oneDNN's packed copies cost memory, about the weights' size once more (measured with MKL:
++0.57 GB of RSS for the SmolLM2 87.5% export's 0.64 GB of parameters), since the stock weights stay:
+for saving, for prefill and any other number of rows; `stream` costs none. CPU-only, float32.
 
     with packed(model, batch=8) as kernel:   # every nn.Linear (and Absorb's folded matrices) packed
         model(...)                           # same outputs to float32 rounding (another summation order)
@@ -45,16 +51,20 @@ ATTR = "_packed_weight"
 ABSORB_MATRICES = ("absorb_q_weight", "absorb_o_weight")
 
 
-KERNELS = ("mkl", "onednn")
+KERNELS = ("mkl", "onednn", "stream")
 
 
 def kernels() -> list[str]:
-    """The packed-GEMM kernels this PyTorch build has, of KERNELS."""
+    """The decode GEMM kernels this PyTorch build and CPU have, of KERNELS ("stream" is built on first call)."""
+    from transmla.runtime import stream_gemm
+
     have = []
     if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
         have.append("mkl")
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         have.append("onednn")
+    if stream_gemm.available():
+        have.append("stream")
     return have
 
 
@@ -66,7 +76,7 @@ def available(model) -> bool:
 
 class Packed:
     """A weight [out, in] packed for `batch` input rows by `kernel` (one of KERNELS), with the weight
-    itself for MKL's fallback at any other row count."""
+    itself for MKL's fallback at any other row count ("stream": the weight itself, nothing packed)."""
 
     __slots__ = ("data", "weight", "batch", "kernel")
 
@@ -74,7 +84,9 @@ class Packed:
         self.weight = weight.detach()
         self.batch = batch
         self.kernel = kernel
-        if kernel == "onednn":
+        if kernel == "stream":
+            self.data = None  # it reads the stock weight
+        elif kernel == "onednn":
             self.data = torch.ops.mkldnn._reorder_linear_weight(self.weight, batch)
         else:
             self.data = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, batch)
@@ -82,9 +94,16 @@ class Packed:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed_weight: Packed | None) -> torch.Tensor:
     """F.linear(x, weight, bias) [..., out], from `packed_weight` when there is one. x [..., in]. MKL runs
-    its packed kernel when x has exactly `batch` rows and F.linear otherwise; oneDNN takes any rows."""
+    its packed kernel when x has exactly `batch` rows and F.linear otherwise; oneDNN takes any rows; the
+    stream kernel up to `batch` rows (more, a prefill, is a compute-bound GEMM: F.linear's)."""
     if packed_weight is None:
         return F.linear(x, weight, bias)
+    if packed_weight.kernel == "stream":
+        if x.numel() > packed_weight.batch * x.shape[-1]:
+            return F.linear(x, weight, bias)
+        # `weight` (the module's own tensor), not a copy: a compiled step guards on its identity, and
+        # packing the same model again must not compile again
+        return torch.ops.transmla.stream_linear(x, weight, bias)
     if packed_weight.kernel == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight.data, bias, "none", [], "")
     return torch.ops.mkl._mkl_linear(x, packed_weight.data, packed_weight.weight, bias, packed_weight.batch)
