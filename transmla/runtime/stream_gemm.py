@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 # what the kernel is built from; tasks.codehash adds these files to the cache key of every task that can run it
-NATIVE_SOURCES = ("csrc/stream_linear.cpp", "csrc/latent_decode.cpp")
+NATIVE_SOURCES = ("csrc/stream_linear.cpp",)
 SOURCES = [str(Path(__file__).parent / f) for f in NATIVE_SOURCES]
 NAME = "transmla_stream_linear"
 
@@ -65,10 +65,6 @@ def available() -> bool:
         def _(x, weight, bias):
             return x.new_empty(*x.shape[:-1], weight.shape[0])
 
-        @torch.library.register_fake("transmla::latent_decode")
-        def _(q, latent, mask, scale, rank):
-            return q.new_empty(q.shape[0], q.shape[1], rank)
-
     return True
 
 
@@ -76,10 +72,3 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """F.linear(x, weight, bias) [..., out] by the stream kernel: x [..., in], weight [out, in] float32 on
     CPU. For decode's few rows; any row count is correct (rows beyond 8 re-read weight tiles from cache)."""
     return torch.ops.transmla.stream_linear(x, weight, bias)
-
-
-def latent_decode(q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor | None, scale: float, rank: int) -> torch.Tensor:
-    """Single-token attention of every head over the shared latent: q [B, h, E], latent [B, T, E] (rows
-    may be strided), mask None or additive [1 or B, T]; out [B, h, rank] = softmax(scale q latent^T + mask)
-    latent[..., :rank]. float32 on CPU (csrc/latent_decode.cpp)."""
-    return torch.ops.transmla.latent_decode(q, latent, mask, scale, rank)
