@@ -108,7 +108,7 @@ def closure(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 @functools.lru_cache(maxsize=None)
 def native_sources(name: str) -> tuple[str, ...]:
     """Repo-relative files of the module-level `NATIVE_SOURCES = ("csrc/x.cpp", ...)` of module `name`
-    (paths relative to its directory): code it compiles and runs (runtime.stream_gemm's C++ kernel),
+    (paths relative to its directory): code it compiles and runs (runtime.cpu_kernels' C++ kernels),
     which no import names."""
     path = module_file(name)
     for node in ast.parse(path.read_text(), filename=str(path)).body:

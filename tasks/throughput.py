@@ -42,8 +42,10 @@ BASELINES = ("original", "original static")
 PACKED_RUNS = ("original static", "converted absorb")
 # with `compiled_decode`, the absorbed run's steps as one compiled graph (transmla.runtime.compiled_decode)
 COMPILED_RUNS = ("converted absorb",)
+ATTENTION_NAMES = {"cpu": "this project's C++ latent kernel (`transmla.runtime.cpu_kernels`)",
+                   "sdpa": "PyTorch's SDPA", "bmm": "two batched matmuls", "triton": "the Triton split-K kernel"}
 GEMM_NAMES = {"mkl": "MKL's packed sgemm", "onednn": "oneDNN's blocked layout",
-              "stream": "the stream kernel on the stock layout (`transmla.runtime.stream_gemm`)"}
+              "stream": "the stream kernel on the stock layout (`transmla.runtime.cpu_kernels`)"}
 
 
 def median_row(rows: list[dict]) -> dict:
@@ -172,6 +174,10 @@ def table(result: dict, title: str) -> str:
         lines += [f"{' and '.join(sorted({r['run'] for r in compiled}))}: each step one torch.compile graph (inductor, "
                   f"{how}) over a static latent cache "
                   f"(`transmla.runtime.compiled_decode`); compiling took {first_compile:.0f} s once, not in the times.", ""]
+    attention = sorted({r["decode_attention"] for r in result["decode"] if r.get("decode_attention")})
+    if attention:
+        lines += ["converted absorb, single-token attention over the latent: "
+                  + " / ".join(ATTENTION_NAMES.get(a, a) for a in attention) + ".", ""]
     pass_ms = next((r["gemm_pass_ms"] for r in result["decode"] if r.get("gemm_pass_ms")), None)
     if pass_ms:
         lines += ["GEMM kernel chosen by measurement on this CPU (`packed.fastest_kernel`: one pass of the batch "

@@ -167,12 +167,15 @@ def test_greedy_generate_identical(mla):
     assert torch.equal(latent, ref) and torch.equal(default, ref)
 
 
-@pytest.fixture(params=["sdpa", "bmm", "triton"])
+@pytest.fixture(params=["sdpa", "bmm", "triton", "cpu"])
 def decode_kernel(request, monkeypatch):
     """Every single-token decode attention kernel (absorb.DECODE_KERNEL); "triton" on a CPU runs the
-    split-K kernel's PyTorch form (the Triton kernel itself: tests/test_latent_decode.py)."""
-    from transmla.runtime import absorb
+    split-K kernel's PyTorch form (the Triton kernel itself: tests/test_latent_decode.py); "cpu" is
+    this project's C++ kernel (skipped where it cannot be built)."""
+    from transmla.runtime import absorb, cpu_kernels
 
+    if request.param == "cpu" and not cpu_kernels.available():
+        pytest.skip("no AVX2 CPU or no C++ toolchain for the CPU decode kernels")
     monkeypatch.setattr(absorb, "DECODE_KERNEL", request.param)
     return request.param
 
@@ -183,8 +186,21 @@ def test_decode_kernel_choice(monkeypatch):
 
     from transmla.runtime import latent_decode
 
+    from transmla.runtime import cpu_kernels
+
     monkeypatch.setattr(absorb, "DECODE_KERNEL", "auto")
-    assert absorb.decode_kernel(torch.device("cpu"), 425, 8192) == "sdpa"
+    for built in (True, False):  # this project's CPU kernel where it is built, SDPA otherwise
+        monkeypatch.setattr(cpu_kernels, "_AVAILABLE", built)
+        assert absorb.decode_kernel(torch.device("cpu"), 425, 8192) == ("cpu" if built else "sdpa")
+        assert absorb.decode_kernel(torch.device("cpu"), 8, 4096, torch.bfloat16) == "sdpa"  # float32 only
+    monkeypatch.setattr(absorb, "DECODE_KERNEL", "cpu")
+    with pytest.raises(TransMLAError, match="'auto'"):
+        absorb.decode_kernel(torch.device("cpu"))  # not built (above)
+    monkeypatch.setattr(cpu_kernels, "_AVAILABLE", True)
+    assert absorb.decode_kernel(torch.device("cpu")) == "cpu"
+    with pytest.raises(TransMLAError, match="'auto'"):
+        absorb.decode_kernel(torch.device("cuda", 0))
+    monkeypatch.setattr(absorb, "DECODE_KERNEL", "auto")
     assert absorb.decode_kernel(torch.device("cuda", 0), 16, 1024) == "bmm"
     monkeypatch.setattr(latent_decode, "triton_available", lambda: True)
     assert absorb.decode_kernel(torch.device("cuda", 0), 16, 8192) == "triton"
@@ -575,6 +591,8 @@ def test_compiled_decode_on_the_stream_kernel(tiny_pair):
     assert (torch.stack(got, 1) - ref[:, prompt:]).abs().max() < TOL
     assert "transmla::stream_linear" in ops
     assert not ops & {"mkldnn::_linear_pointwise", "mkl::_mkl_linear", "aten::addmm", "aten::linear"}
+    # the attention: "auto" on CPU is this project's latent kernel, kept as one call in the graph
+    assert "transmla::latent_decode_cpu" in ops and "aten::_scaled_dot_product_flash_attention_for_cpu" not in ops
 
 
 @pytest.mark.skipif("stream" not in _packed_kernels(), reason="no AVX2 CPU or no C++ toolchain for the stream kernel")
@@ -583,7 +601,7 @@ def test_stream_kernel_equals_linear(rows):
     """transmla::stream_linear = F.linear for any row count (the 8-row register blocks, a ragged last
     block, tiles of weight rows), a width that is not a multiple of 8, with and without bias, and
     leading batch dimensions; it refuses what it does not compute."""
-    from transmla.runtime.stream_gemm import stream_linear
+    from transmla.runtime.cpu_kernels import stream_linear
 
     g = torch.Generator().manual_seed(rows)
     for k, n in [(13, 5), (64, 40), (600, 49)]:

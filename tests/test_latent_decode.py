@@ -109,3 +109,38 @@ def test_wave_model_weighs_tails_and_overheads():
         assert cost(B, T, bt, res, s) == min(cost(B, T, bt, res, k) for k in range(1, tiles + 1))
     # a batch that fills the machine twice over: one chunk per sequence beats splitting (fewer partials)
     assert choose_splits(528, 8192, 64, 264) == 1
+
+
+def _cpu_kernels():
+    from transmla.runtime import cpu_kernels
+
+    return cpu_kernels if cpu_kernels.available() else None
+
+
+CPU_SHAPES = SHAPES + [(1, 17, 13, 3, 700, 600), (2, 16, 512, 64, 300, 0), (8, 9, 32, 16, 4106, 3)]
+
+
+@pytest.mark.skipif(_cpu_kernels() is None, reason="no AVX2 CPU or no C++ toolchain for the CPU decode kernels")
+@pytest.mark.parametrize("shape", CPU_SHAPES)
+@pytest.mark.parametrize("masked", ["none", "one", "per-sequence"])
+def test_cpu_kernel_equals_dense(shape, masked):
+    """transmla::latent_decode_cpu (csrc/latent_decode.cpp) = dense softmax attention: head counts below,
+    at and above one group of 16 (and a group of 1), widths and ranks that are not multiples of 8, a
+    strided latent (a view of a larger cache), several key chunks with left padding that masks whole
+    chunks, a mask shared by the batch or one per sequence; bad input is refused."""
+    kernels = _cpu_kernels()
+    q, lat, mask = case(*shape)
+    B, T, r = shape[0], shape[4], shape[2]
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf")).view(B, T)
+    m = {"none": None, "one": additive[-1:], "per-sequence": additive}[masked]
+    got = kernels.latent_decode(q, lat, m, 0.125, r)
+    assert got.shape == (B, shape[1], r)
+    want = dense(q, lat, r, 0.125, None if m is None else m.view(m.shape[0], 1, 1, T))
+    assert (got.double() - want).abs().max() < 2e-5 * max(1.0, want.abs().max().item())
+    if masked == "none":
+        with pytest.raises(RuntimeError, match="float32"):
+            kernels.latent_decode(q.double(), lat.double(), None, 0.125, r)
+        with pytest.raises(RuntimeError, match="rank"):
+            kernels.latent_decode(q, lat, None, 0.125, q.shape[-1] + 1)
+        with pytest.raises(RuntimeError, match="mask"):
+            kernels.latent_decode(q, lat, torch.zeros(1, T + 1), 0.125, r)

@@ -357,7 +357,7 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
     calls = []
     real = tasks.throughput.decode_step
     monkeypatch.setattr(tasks.throughput, "decode_step", lambda *a, **k: calls.append(a[1:3]) or real(*a, **k))
-    from transmla.runtime import packed
+    from transmla.runtime import absorb, packed
 
     packable = bool(packed.kernels())
     prof = load_profile(write_profile(tmp_path, tiny_dir, name="tput"),
@@ -385,6 +385,8 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
         assert r["compiled"] is (r["run"] == "converted absorb")
         # the prepacked GEMM kernel, chosen once by measurement, recorded for the packed and compiled runs
         assert (r["gemm"] in packed.KERNELS) is (r["packed_weights"] or r["compiled"])
+        # the absorbed run records its single-token attention kernel ("auto" resolved)
+        assert r["decode_attention"] == (absorb.decode_kernel(torch.device("cpu")) if r["run"] == "converted absorb" else None)
     assert [r["run"] for r in result["full"]] == ["original", "converted hf", "converted absorb"]
     # 2 layers: original 2 x 2 KV heads x 16 dims, converted 12 + 4 latent values, float32
     assert result["kv"]["original"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 4
@@ -403,6 +405,7 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
         assert ("on weights prepacked once" in md) is ("stream" not in chosen)
     assert "converted absorb: each step one torch.compile graph" in md and "compiling took" in md
     assert ("GEMM kernel chosen by measurement" in md) is packable and result["bandwidth"]["processor"] in md
+    assert "single-token attention over the latent: " in md
     assert (out / "fig6_speedup.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((out / "results.json").read_text())["kv"] == result["kv"]
     runs = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.model` = 'tput'",

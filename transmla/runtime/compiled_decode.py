@@ -158,16 +158,18 @@ def compiled_step(model: nn.Module, freezing: bool = True, gemm: str = "mkl"):
     saw). gemm: the prepacked kernel of the frozen linears (`runtime.packed`: "mkl", inductor's choice
     at a static batch, or "onednn", its choice when the batch is a dynamic dimension, so "onednn" marks
     the batch of the ids and of the cache dynamic; `packed.fastest_kernel` says which is faster on this
-    CPU; or "stream", `runtime.stream_gemm`'s kernel on the stock weights: the model must be packed with
+    CPU; or "stream", `runtime.cpu_kernels`'s kernel on the stock weights: the model must be packed with
     it, `packed.pack(model, batch, kernel="stream")`, so that every linear is one call of that operator
     in the graph, which inductor keeps as it is). The first call compiles (about a minute for a 30-layer
     model on 2 CPU cores); a new batch size compiles again ("mkl", "stream"), a new capacity does not
     (it is marked dynamic). Raises TransMLAError when `check_compilable` fails, gemm is not one of
     `packed.KERNELS` or, for "stream", the model is not packed with it.
     """
+    from transmla.runtime import cpu_kernels
     from transmla.runtime.packed import ATTR, KERNELS
 
     check_compilable(model)
+    cpu_kernels.available()  # built (or found missing) now, not while the graph is traced
     if gemm not in KERNELS:
         raise TransMLAError(f"Unknown GEMM kernel {gemm!r} for the compiled decode step.", f"use one of {KERNELS}.")
     if gemm == "stream":

@@ -15,7 +15,7 @@ Measured (2 cores, B = 8, one decode step's linears of the SmolLM2 87.5% export)
 MKL 30 ms and oneDNN 41 ms (unpacked 74 ms); on an AMD EPYC without AVX-512 MKL reads the weights at
 5.9 GB/s and oneDNN at 12.6 GB/s. A third kernel is this project's own:
 
-- `stream`: `runtime.stream_gemm`, which streams the stock [out, in] weights once per call with all
+- `stream`: `runtime.cpu_kernels`, which streams the stock [out, in] weights once per call with all
   the rows at once (no packed copy; built on first use, AVX2 CPUs): on that EPYC 32 ms per pass
   against oneDNN's 51 ms and MKL's 103 ms (one process).
 
@@ -56,14 +56,14 @@ KERNELS = ("mkl", "onednn", "stream")
 
 def kernels() -> list[str]:
     """The decode GEMM kernels this PyTorch build and CPU have, of KERNELS ("stream" is built on first call)."""
-    from transmla.runtime import stream_gemm
+    from transmla.runtime import cpu_kernels
 
     have = []
     if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
         have.append("mkl")
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         have.append("onednn")
-    if stream_gemm.available():
+    if cpu_kernels.available():
         have.append("stream")
     return have
 

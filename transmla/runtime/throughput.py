@@ -438,7 +438,7 @@ def decode_step(
     from transformers import DynamicCache
 
     from transmla.runtime import compiled_decode, packed
-    from transmla.runtime.absorb import LatentCache, absorbed
+    from transmla.runtime.absorb import LatentCache, absorbed, decode_kernel
 
     _check_backend(backend)
     config = model.config
@@ -519,6 +519,8 @@ def decode_step(
         "compile_s": compile_s,
         "gemm": gemm_used,
         "gemm_pass_ms": gemm_pass_ms,
+        # the absorbed single-token attention kernel ("auto" resolved: runtime.absorb.decode_kernel)
+        "decode_attention": decode_kernel(dev, batch, length, next(model.parameters()).dtype) if backend == "absorb" else None,
         "context": context,
         "batch": batch,
         "steps": steps,

@@ -88,7 +88,7 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& weight, const c1
 
 }  // namespace
 
-TORCH_LIBRARY(transmla, m) {
+TORCH_LIBRARY_FRAGMENT(transmla, m) {  // a fragment: runtime.latent_decode defines ops in this namespace too
   m.def("stream_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
