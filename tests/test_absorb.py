@@ -523,14 +523,33 @@ def test_static_latent_cache_copies_repeats_and_refuses(tiny_pair):
         compiled_step(original)
 
 
+def _compiled_decode(mla, ids, prompt, gemm):
+    """Prefill `prompt` tokens, then decode the rest of `ids` with the compiled step on `gemm` (mla
+    absorbed): (log-probs [B, n - prompt, V], the ops the steps after the first (compiling) ran)."""
+    from torch.profiler import profile
+
+    from transmla.runtime.compiled_decode import StaticLatentCache, compiled_step
+
+    prefill = LatentCache(mla.config)
+    with torch.no_grad():
+        mla(ids[:, :prompt], past_key_values=prefill, use_cache=True)
+    cache = StaticLatentCache.from_latent_cache(prefill, batch=ids.shape[0], capacity=ids.shape[1] + 2)
+    step = compiled_step(mla, gemm=gemm)
+    got = [torch.log_softmax(step(ids[:, prompt : prompt + 1], cache).float(), -1)]
+    cache.advance()
+    with profile() as prof:
+        for t in range(prompt + 1, ids.shape[1]):
+            got.append(torch.log_softmax(step(ids[:, t : t + 1], cache).float(), -1))
+            cache.advance()
+    return torch.stack(got, 1), {e.key for e in prof.key_averages()}
+
+
 @pytest.mark.skipif("onednn" not in _packed_kernels(), reason="PyTorch built without oneDNN")
 def test_compiled_decode_on_onednn_gemms(tiny_pair):
     """gemm="onednn": the batch is a dynamic dimension, so inductor prepacks the frozen linears for
     oneDNN (mkldnn::_linear_pointwise) instead of MKL (its choice at a static batch); the log-probs are the
     stock forward's."""
-    from torch.profiler import profile
-
-    from transmla.runtime.compiled_decode import StaticLatentCache, compiled_step
+    from transmla.runtime.compiled_decode import compiled_step
 
     _, mla = tiny_pair("llama")
     ids = _ids(mla, batch=3, n=10)
@@ -538,21 +557,10 @@ def test_compiled_decode_on_onednn_gemms(tiny_pair):
     ref = _logprobs(mla, ids)
     torch._dynamo.reset()
     with absorbed(mla):
-        prefill = LatentCache(mla.config)
-        with torch.no_grad():
-            mla(ids[:, :prompt], past_key_values=prefill, use_cache=True)
-        cache = StaticLatentCache.from_latent_cache(prefill, batch=3, capacity=12)
-        step = compiled_step(mla, gemm="onednn")
-        got = [torch.log_softmax(step(ids[:, prompt : prompt + 1], cache).float(), -1)]
-        cache.advance()
-        with profile() as prof:
-            for t in range(prompt + 1, ids.shape[1]):
-                got.append(torch.log_softmax(step(ids[:, t : t + 1], cache).float(), -1))
-                cache.advance()
-        ops = {e.key for e in prof.key_averages()}
+        got, ops = _compiled_decode(mla, ids, prompt, "onednn")
         with pytest.raises(TransMLAError, match="'blas'"):
             compiled_step(mla, gemm="blas")
-    assert (torch.stack(got, 1) - ref[:, prompt:]).abs().max() < TOL
+    assert (got - ref[:, prompt:]).abs().max() < TOL
     assert "mkldnn::_linear_pointwise" in ops and "mkl::_mkl_linear" not in ops
 
 
@@ -561,10 +569,8 @@ def test_compiled_decode_on_the_stream_kernel(tiny_pair):
     """gemm="stream": every linear of the compiled step is one transmla::stream_linear call on the stock
     weights (no MKL or oneDNN linear left in the graph); the log-probs are the stock forward's; compiling
     it for a model whose linears are not packed with the kernel is refused."""
-    from torch.profiler import profile
-
     from transmla.runtime import packed
-    from transmla.runtime.compiled_decode import StaticLatentCache, compiled_step
+    from transmla.runtime.compiled_decode import compiled_step
 
     _, mla = tiny_pair("llama")
     ids = _ids(mla, batch=3, n=10)
@@ -574,21 +580,10 @@ def test_compiled_decode_on_the_stream_kernel(tiny_pair):
     with absorbed(mla):
         with pytest.raises(TransMLAError, match="kernel='stream'"):
             compiled_step(mla, gemm="stream")
-        prefill = LatentCache(mla.config)
-        with torch.no_grad():
-            mla(ids[:, :prompt], past_key_values=prefill, use_cache=True)
-        cache = StaticLatentCache.from_latent_cache(prefill, batch=3, capacity=12)
         with packed.packed(mla, batch=3, kernel="stream") as used:
             assert used == "stream"
-            step = compiled_step(mla, gemm="stream")
-            got = [torch.log_softmax(step(ids[:, prompt : prompt + 1], cache).float(), -1)]
-            cache.advance()
-            with profile() as prof:
-                for t in range(prompt + 1, ids.shape[1]):
-                    got.append(torch.log_softmax(step(ids[:, t : t + 1], cache).float(), -1))
-                    cache.advance()
-        ops = {e.key for e in prof.key_averages()}
-    assert (torch.stack(got, 1) - ref[:, prompt:]).abs().max() < TOL
+            got, ops = _compiled_decode(mla, ids, prompt, "stream")
+    assert (got - ref[:, prompt:]).abs().max() < TOL
     assert "transmla::stream_linear" in ops
     assert not ops & {"mkldnn::_linear_pointwise", "mkl::_mkl_linear", "aten::addmm", "aten::linear"}
     # the attention: "auto" on CPU is this project's latent kernel, kept as one call in the graph

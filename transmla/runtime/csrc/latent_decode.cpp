@@ -5,8 +5,8 @@
 // q [B, h, E], latent [B, T, E] (rows may be strided: a static cache's capacity), mask [Bm, T] additive
 // (Bm = 1 or B) or none. The latent is read once: each sequence's keys go in chunks of kChunk tokens
 // (parallel over sequences x chunks, so one long sequence still uses every thread), a chunk's scores
-// [kChunk, heads] are computed key by key (all heads' dot products from one load of the key, the eight
-// sums folded together), its softmax runs with the heads in the vector lanes, and the values are the
+// [kChunk, heads] are computed key by key (all heads' dot products from one load of the key, eight
+// sums folded together at a time), its softmax runs with the heads in the vector lanes, and the values are the
 // same cached rows, still in L2. Chunks are merged by their maxima and sums (flash-decoding). AVX2 + FMA.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -14,8 +14,8 @@
 #include <immintrin.h>
 
 #include <cmath>
-#include <type_traits>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -70,8 +70,8 @@ inline void pv_tile(const float* lat, int64_t row_stride, int64_t t0, int64_t n,
   }
 }
 
-// One chunk [t0, t1) of one sequence for G <= 8 heads (lanes beyond G are unused).
-// Writes the chunk's max m[8], sum l[8] and unnormalised output acc[8][rank].
+// One chunk [t0, t1) of one sequence for G <= 16 heads, query rows qg [G, E] (lanes beyond G are unused).
+// Writes the chunk's max m[16], sum l[16] and unnormalised output acc[16][rank].
 template <int G>
 void chunk(const float* qg, int64_t E, const float* lat, int64_t row_stride, int64_t t0, int64_t t1,
            const float* mask, float scale, int64_t rank, float* m_out, float* l_out, float* acc, float* sc) {
@@ -154,12 +154,11 @@ at::Tensor latent_decode(const at::Tensor& q, const at::Tensor& latent, const c1
     mask_stride = mk.numel() == T ? 0 : T;
   }
   const int64_t groups = (h + 15) / 16, chunks = std::max<int64_t>(1, (T + kChunk - 1) / kChunk);
-  // q padded to whole groups of 8 heads
-  at::Tensor q8 = at::zeros({B, groups * 16, E}, q.options());
-  q8.narrow(1, 0, h).copy_(q);
+  // groups of up to 16 heads; chunk<G> reads only its group's G query rows, so q needs no padding
+  const at::Tensor qc = q.contiguous();
   at::Tensor m = at::empty({B, groups, chunks, 16}, q.options()), l = at::empty_like(m);
   at::Tensor acc = at::empty({B, groups, chunks, 16, rank}, q.options());
-  const float* qp = q8.data_ptr<float>();
+  const float* qp = qc.data_ptr<float>();
   const float* lp = lat.data_ptr<float>();
   const float* mp = mk.defined() ? mk.data_ptr<float>() : nullptr;
   float* mptr = m.data_ptr<float>();
@@ -174,7 +173,7 @@ at::Tensor latent_decode(const at::Tensor& q, const at::Tensor& latent, const c1
       const int64_t item = (b * groups + g) * chunks + c;
       const int n_heads = static_cast<int>(std::min<int64_t>(16, h - g * 16));
       auto run = [&](auto tag) {
-        chunk<decltype(tag)::value>(qp + (b * groups * 16 + g * 16) * E, E, lp + b * seq_stride, row_stride, t0, t1,
+        chunk<decltype(tag)::value>(qp + (b * h + g * 16) * E, E, lp + b * seq_stride, row_stride, t0, t1,
                                     mp ? mp + b * mask_stride : nullptr, sc, rank, mptr + item * 16, lptr + item * 16,
                                     aptr + item * 16 * rank, scores.data());
       };
