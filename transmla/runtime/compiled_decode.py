@@ -182,13 +182,17 @@ def compiled_step(model: nn.Module, freezing: bool = True, gemm: str = "mkl"):
     def step(ids: torch.Tensor, cache: StaticLatentCache) -> torch.Tensor:
         # freezing patched around every call, not passed as a compile option: inductor reads it when
         # it compiles, which is at the first call and at every recompile (torch.compile's `options`
-        # did not reach it here: 111 ms per step unfrozen vs 69 ms frozen, SmolLM2 87.5%, 4K)
+        # did not reach it here: 111 ms per step unfrozen vs 69 ms frozen, SmolLM2 87.5%, 4K).
+        # cpp_wrapper, on the stream kernel: the graph's ~300 kernel and operator calls made from C++,
+        # not from a Python wrapper (2-4 ms less per step of 60-68 ms, same logits, two runs side by
+        # side, SmolLM2 87.5%, batch 8, 4K). The MKL and oneDNN graphs keep the Python wrapper: from C++ inductor
+        # calls their linears past the profiler, which is how one sees which of the two it chose.
         cache.check_room()
         if gemm == "onednn":  # a symbolic batch: inductor lowers the frozen linears to oneDNN, not MKL
             torch._dynamo.mark_dynamic(ids, 0)
             for buf in cache.buffers:
                 torch._dynamo.mark_dynamic(buf, 0)
-        with torch.no_grad(), inductor_config.patch(freezing=freezing):
+        with torch.no_grad(), inductor_config.patch(freezing=freezing, cpp_wrapper=gemm == "stream"):
             return compiled(model, ids, cache)
 
     return step
