@@ -82,7 +82,8 @@ def report(profile: Profile) -> str:
             + (f", + {ft.kd_weight:g} x lm" if ft.objective == "kd+lm" else "") + ")")
         notes.append(
             f"Fine-tune ({ft.mode}, transformers Trainer): {', '.join(ft.corpora)} packed into {ft.seqlen}-token "
-            f"blocks, batch {ft.batch_size} x {ft.grad_accum}, lr {ft.lr:g} {ft.schedule} (warmup {ft.warmup_ratio:g}), "
+            f"blocks, batch {ft.batch_size} x {ft.grad_accum}, lr {ft.lr:g} {ft.schedule} (warmup {ft.warmup_ratio:g}"
+            + (f"; the MLA projections at {ft.attention_lr_scale:g} x lr" if ft.attention_lr_scale != 1 else "") + "), "
             f"{ft.dtype}, objective {ft.objective}{kd}"
             + (f" + {ft.attn_weight:g} x per-layer attention matching to the original" if ft.attn_weight > 0 else "")
             + "; validation split by document; loss curves in reports/plots/."

@@ -184,6 +184,24 @@ def test_attention_mode_trains_only_mla_projections(converted, blocks, tmp_path)
     assert any("kv_b_proj" in k for k in changed) and any("o_proj" in k for k in changed)
 
 
+@pytest.mark.parametrize("scale", [1.0, 10.0])
+def test_attention_lr_scale_sets_the_step_of_the_mla_projections(converted, blocks, tmp_path, scale):
+    # Adam's first step moves each weight by lr * sign(gradient): the largest change per weight is the lr its
+    # group got, so one step shows the MLA projections at lr * scale and the original's own weights at lr
+    lr = 1e-3
+    model, _ = load_model(str(converted))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    finetune(model, blocks[0], blocks[1], _cfg(lr=lr, attention_lr_scale=scale, max_tokens=4 * 64, eval_every=1),
+             str(tmp_path))
+    after = model.state_dict()
+    step = {k: (after[k] - before[k]).abs().max().item() for k in before if k.endswith(("o_proj.weight", "mlp.up_proj.weight"))}
+    attn = [v for k, v in step.items() if "o_proj" in k]
+    mlp = [v for k, v in step.items() if "up_proj" in k]
+    assert attn and mlp
+    assert all(v == pytest.approx(lr * scale, rel=1e-3) for v in attn), attn
+    assert all(v == pytest.approx(lr, rel=1e-3) for v in mlp), mlp
+
+
 def test_bad_config_and_unconverted_model(tiny_model_dir, blocks, tmp_path):
     with pytest.raises(TransMLAError, match="mode"):
         _cfg(mode="lora")

@@ -23,6 +23,7 @@ FINETUNE_HELP = {
     "mode": "full: every weight; attention: only the MLA projections",
     "max_tokens": "training tokens",
     "schedule": "learning-rate schedule, with linear warmup",
+    "attention_lr_scale": "learning rate of the MLA projections as a multiple of --lr (the rest keeps --lr)",
     "val_tokens": "held-out tokens for the validation loss",
     "eval_every": "steps between validation losses and resumable checkpoints",
     "dtype": "bfloat16 = mixed precision",

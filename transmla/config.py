@@ -237,6 +237,9 @@ class FinetuneConfig(Options):
     warmup_ratio: float = Field(0.08, ge=0, lt=1)  # the paper's 87.5% SmolLM setting
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
+    # learning rate of the MLA projections (the weights the conversion rewrote) as a multiple of lr; the
+    # rest of the model (MLPs, embeddings, norms: the original's own weights) keeps lr
+    attention_lr_scale: float = Field(1.0, gt=0)
     val_tokens: int = Field(16_384, ge=1)  # held-out blocks for the validation loss
     eval_every: int = Field(10, ge=1)  # steps between validation losses (and resumable checkpoints)
     log_every: int = Field(5, ge=1)

@@ -243,11 +243,30 @@ def select_trainable(model, mode: str) -> dict:
     """Freeze what `mode` does not train; returns {"trainable": n, "total": n} parameter counts."""
     total = trainable = 0
     for name, p in model.named_parameters():
-        train = mode == "full" or (".self_attn." in name and name.split(".")[-2] in ATTENTION_PARAMS)
+        train = mode == "full" or is_attention_param(name)
         p.requires_grad_(train)
         total += p.numel()
         trainable += p.numel() if train else 0
     return {"trainable": trainable, "total": total}
+
+
+def is_attention_param(name: str) -> bool:
+    """An MLA projection of a decoder layer (what mode "attention" trains; attention_lr_scale applies to it)."""
+    return ".self_attn." in name and name.split(".")[-2] in ATTENTION_PARAMS
+
+
+def param_groups(model, lr: float, weight_decay: float, attention_lr_scale: float, decay: set[str]) -> list[dict]:
+    """The trainable parameters in optimizer groups: MLA projections at lr * attention_lr_scale, the rest
+    at lr; weight decay only on the names in `decay` (Trainer's rule: not on biases and norms)."""
+    groups = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        key = (is_attention_param(name), name in decay)
+        g = groups.setdefault(key, {"params": [], "lr": lr * (attention_lr_scale if key[0] else 1.0),
+                                    "weight_decay": weight_decay if key[1] else 0.0})
+        g["params"].append(p)
+    return [groups[k] for k in sorted(groups)]
 
 
 def check_mla_model(model, cfg: FinetuneConfig | None = None) -> None:
@@ -333,6 +352,17 @@ def _trainer_class():
             self.match = AttentionMatch(self.model, teacher) if cfg.attn_weight > 0 else None
             self.loss_is_scaled_for_ga = False  # a per-batch mean: Trainer divides by grad_accum
             self._parts: dict[str, list[float]] = {}
+
+        def create_optimizer(self, model=None):
+            # Trainer's optimizer and kwargs, on groups that give the MLA projections their own learning
+            # rate (the schedule multiplies every group's lr by the same factor, so the ratio holds)
+            if self.optimizer is None and self.cfg.attention_lr_scale != 1.0:
+                opt_model = self.model if model is None else model
+                cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+                groups = param_groups(opt_model, self.args.learning_rate, self.args.weight_decay,
+                                      self.cfg.attention_lr_scale, set(self.get_decay_parameter_names(opt_model)))
+                self.optimizer = cls(groups, **kwargs)
+            return super().create_optimizer(model)
 
         def _losses(self, model, input_ids, objective):
             # The forward goes through `model` as Trainer hands it (DistributedDataParallel under
