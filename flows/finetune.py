@@ -20,6 +20,7 @@ from tasks.artifacts import publish
 from tasks.finetune import curves_csv, finetune_checkpoint, loss_curves
 from tasks.model import checkpoint_ref, dataset_ref, resolve_model
 from transmla.io.paths import write_text_atomic
+from transmla.training import layerwise
 
 from . import _cli, layout
 from .params import Profile
@@ -47,7 +48,9 @@ def finetune(profile: Profile, model: str, method: str, budget: float, checkpoin
                    metrics={"train_loss_mean": record["train_loss"],  # "train_loss" is the per-step curve
                             **{k: record[k] for k in ("val_loss_before", "val_loss_after", "val_kd_before",
                                                       "val_kd_after", "tokens_trained", "tokens_per_second",
-                                                      "seconds_this_run") if record.get(k) is not None}},
+                                                      "seconds_this_run") if record.get(k) is not None},
+                            **{f"layerwise_{k}": v for k, v in layerwise.summary(record.get("layerwise")).items()
+                               if k in ("seconds", "attn_err_before", "attn_err_after")}},
                    history=curves, artifacts={"finetune.json": summary})
     return ref
 

@@ -41,6 +41,7 @@ from transmla.io.data import load_texts  # noqa: E402
 from transmla.io.paths import write_text_atomic  # noqa: E402
 from transmla.io.sources import load_model  # noqa: E402
 from transmla.runtime.fast_attention import use_causal_padded_sdpa  # noqa: E402
+from transmla.training import layerwise  # noqa: E402
 
 DATASETS = ("wikitext2-test", "c4-demo")
 ATTN = ["--attn-weight", "1"]
@@ -147,7 +148,14 @@ def main() -> None:
                 "objective", "tokens_trained", "tokens_per_second", "peak_rss_gib", "val_loss_before", "val_loss_after",
                 "val_kd_before", "val_kd_after", "train_loss")}, "seconds": r["seconds_this_run"],
                 **{k: r.get(k) for k in ("val_attn_before", "val_attn_after")},
+                **({"layerwise": layerwise.summary(r["layerwise"])} if r.get("layerwise") else {}),
                 **ppl(load_model(r["out"], dtype="float32")[0])}
+            if "layerwise" in row:
+                row["label"] += (f", after layer-wise distillation ({row['layerwise']['epochs']:g} pass per layer, "
+                                 f"{row['layerwise']['seconds']:.0f} s; held-out attention error, mean over layers, "
+                                 f"{row['layerwise']['attn_err_before']:.3f} -> {row['layerwise']['attn_err_after']:.3f}; "
+                                 "val. before = after it)")
+                row["seconds"] = round(row["seconds"] + row["layerwise"]["seconds"], 1)
             res["rows"].append(row)
             out.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(out, json.dumps(res, indent=1))

@@ -433,3 +433,74 @@ def test_attention_matching_needs_the_teacher(converted, blocks, tmp_path):
     model, _ = load_model(str(converted))
     with pytest.raises(TransMLAError, match="attn_weight"):
         finetune(model, blocks[0], blocks[1], _cfg(attn_weight=0.5), str(tmp_path))
+
+
+# ---------------------------------------------------------------- layer-wise distillation
+
+def test_layerwise_distillation_fits_each_attention_layer_and_nothing_else(cut, blocks, sharp):
+    """Every converted layer's held-out attention error falls; only attention weights change; the
+    stream each layer is fitted on is the fitted prefix's own (its error before equals the one
+    measured by running the fitted model's attention on its own input, per layer)."""
+    from transmla.training.distill import AttentionMatch
+    from transmla.training.layerwise import layerwise_distill, summary
+
+    model, _ = load_model(str(cut))
+    teacher = _teacher(sharp)
+    unfold_latent_norms(model)
+    model.requires_grad_(False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    record = layerwise_distill(model, teacher, blocks[0][:16], blocks[1], epochs=8, lr=1e-3, batch_size=4)
+    assert len(record["layers"]) == model.config.num_hidden_layers and record["steps_per_layer"] == 32
+    layers = record["layers"]
+    assert all(r["val_err_after"] <= r["val_err_before"] for r in layers)  # a layer that got worse is put back
+    assert any(r["fitted"] and r["val_err_after"] < 0.9 * r["val_err_before"] for r in layers)
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(before[k], v)}
+    assert changed and all(".self_attn." in k for k in changed)
+    for r in layers:  # exactly the fitted layers changed
+        assert any(k.startswith(f"model.layers.{r['layer']}.") for k in changed) == r["fitted"]
+    brief = summary(record)
+    assert brief["layers_fitted"] == sum(r["fitted"] for r in layers) and brief["layers"] == len(layers)
+    assert brief["attn_err_after"] == pytest.approx(sum(r["val_err_after"] for r in layers) / len(layers), abs=1e-4)
+    assert summary(None) == {}
+    assert not any(p.requires_grad for p in model.parameters())
+    # the recorded "after" errors are those of the fitted model run end to end on the held-out blocks
+    match = AttentionMatch(model, teacher)
+    with torch.no_grad(), match:
+        model(blocks[1], use_cache=False)
+    errs = [((o.float() - t).pow(2).sum() / t.pow(2).sum()).item() for o, t in match.terms]
+    match.remove()
+    assert errs == pytest.approx([r["val_err_after"] for r in record["layers"]], rel=1e-3)
+
+
+def test_layerwise_phase_in_finetune_is_recorded_resumed_and_exported_stock(cut, blocks, sharp, tmp_path, monkeypatch):
+    """finetune(layerwise_epochs > 0): the phase runs before the first step (whether it lowers the KL is
+    measured on SmolLM2, not on random tiny models: reports/recovery/); a resumed run reports the phase's
+    record without running it again; the saved checkpoint is stock DeepseekV3 with identity latent norms."""
+    import transmla.training.layerwise as lw
+
+    cfg = _cfg(objective="kd", lr=1e-4, max_tokens=4 * 4 * 64, eval_every=2, layerwise_epochs=4, layerwise_lr=1e-3)
+    model, tok = load_model(str(cut))
+    with pytest.raises(KeyboardInterrupt):
+        finetune(model, blocks[0], blocks[1], cfg, str(tmp_path / "w"), callbacks=[_Interrupt(2)], teacher=_teacher(sharp))
+    monkeypatch.setattr(lw, "layerwise_distill", lambda *a, **k: pytest.fail("ran again on resume"))
+    model, tok = load_model(str(cut))
+    record = finetune(model, blocks[0], blocks[1], cfg, str(tmp_path / "w"), teacher=_teacher(sharp))
+    assert record["resumed_from"].endswith("checkpoint-2") and record["layerwise"]["steps_per_layer"] == 16
+    plain, _ = load_model(str(cut))
+    ref = finetune(plain, blocks[0], blocks[1], cfg.model_copy(update={"layerwise_epochs": 0.0}), str(tmp_path / "p"),
+                   teacher=_teacher(sharp))
+    assert ref["layerwise"] is None
+    # the phase ran before step 0: the run's first validation differs from the plain run's, whose is the conversion's
+    assert record["val_kd_before"] != pytest.approx(ref["val_kd_before"], rel=1e-4)
+    out = save_finetuned(model, tok, tmp_path / "ft", record)
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded).__name__ == "DeepseekV3ForCausalLM"
+    assert latent_norm_identity_error(loaded, blocks[1][:2]) < 1e-5
+    assert "seconds" not in loaded.config.transmla["finetune"]["layerwise"]  # timings stay out of the content hash
+
+
+def test_layerwise_distillation_needs_the_teacher(converted, blocks, tmp_path):
+    model, _ = load_model(str(converted))
+    with pytest.raises(TransMLAError, match="layerwise_epochs"):
+        finetune(model, blocks[0], blocks[1], _cfg(layerwise_epochs=1), str(tmp_path))
+    assert not (tmp_path / "layerwise.json").exists()

@@ -32,6 +32,10 @@ FINETUNE_HELP = {
     "kd_weight": "weight of kd in kd+lm",
     "attn_weight": "add this times per-layer attention matching (each converted layer's attention output vs the "
                    "original's on the same input; needs --teacher)",
+    "layerwise_epochs": "layer-wise distillation before the end-to-end phase: passes over the training tokens per "
+                        "layer, fitting each converted layer's attention to the original's (0: none; needs --teacher)",
+    "layerwise_lr": "Adam learning rate of the layer-wise distillation",
+    "layerwise_batch_size": "blocks per step of the layer-wise distillation",
     "teacher_dtype": "dtype of the teacher's forward (no gradients)",
     "loss_chunk": "positions per output-head chunk of the loss (logits never held for the whole batch)",
     "gradient_checkpointing": "recompute each decoder layer in backward (less memory, ~30%% more time)",
@@ -143,9 +147,11 @@ def cmd_finetune(args) -> dict:
 
     cfg = FinetuneConfig(**{k: getattr(args, k) for k in FinetuneConfig.model_fields})
     if cfg.needs_teacher and not args.teacher:
-        what = f"--objective {cfg.objective}" if cfg.objective != "lm" else f"--attn-weight {cfg.attn_weight:g}"
+        what = (f"--objective {cfg.objective}" if cfg.objective != "lm" else f"--attn-weight {cfg.attn_weight:g}"
+                if cfg.attn_weight > 0 else f"--layerwise-epochs {cfg.layerwise_epochs:g}")
         raise TransMLAError(f"{what} distils from the original model.",
-                            "pass --teacher SOURCE (the model you converted), or use --objective lm --attn-weight 0.")
+                            "pass --teacher SOURCE (the model you converted), or use --objective lm --attn-weight 0 "
+                            "--layerwise-epochs 0.")
     out = new_output_dir(args.out)  # fail before hours of training, not after
     model, tok = load_model(args.model, dtype="float32", device=args.device, cache=args.cache_dir)
     teacher = None  # with --objective lm a teacher only scores: the validation KL, for comparing objectives
@@ -158,7 +164,7 @@ def cmd_finetune(args) -> dict:
         record = finetune_on_corpora(model, tok, docs, cfg, work, out, teacher=teacher)
     keys = ("objective", "val_loss_before", "val_loss_after", "val_kd_before", "val_kd_after", "val_attn_before",
             "val_attn_after", "train_loss", "steps",
-            "tokens_trained", "resumed_from", "seconds_this_run", "tokens_per_second", "params")
+            "tokens_trained", "resumed_from", "seconds_this_run", "tokens_per_second", "params", "layerwise")
     return {"out": str(out), **{k: record[k] for k in keys}, "peak_rss_gib": round(peak_rss_bytes() / 2**30, 3)}
 
 

@@ -253,13 +253,19 @@ class FinetuneConfig(Options):
     # + attn_weight * per-layer attention matching (the converted layer's attention output vs the
     # original's on the same input, relative squared error, mean over layers); > 0 needs the teacher
     attn_weight: float = Field(0.0, ge=0)
+    # layer-wise distillation before the end-to-end phase (training.layerwise): each converted layer's
+    # attention fitted alone to the original's on the converted prefix's own stream, in order; passes
+    # over the training tokens per layer (0: none; > 0 needs the teacher), its Adam lr and batch (blocks)
+    layerwise_epochs: float = Field(0.0, ge=0)
+    layerwise_lr: float = Field(1e-3, gt=0)
+    layerwise_batch_size: int = Field(4, ge=1)
     teacher_dtype: Literal["float32", "bfloat16"] = "float32"  # the teacher's forward (no gradients)
     loss_chunk: int = Field(1024, ge=1)  # positions per output-head chunk: logits never held for the whole batch
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
 
     @property
     def needs_teacher(self) -> bool:
-        return self.objective != "lm" or self.attn_weight > 0
+        return self.objective != "lm" or self.attn_weight > 0 or self.layerwise_epochs > 0
 
     @property
     def tokens_per_step(self) -> int:

@@ -282,10 +282,12 @@ def check_mla_model(model, cfg: FinetuneConfig | None = None) -> None:
             f"finetune expects a converted MLA checkpoint, got model_type={model_type!r}.",
             "convert the model first (transmla convert / the convert stage) and fine-tune its output directory.",
         )
-    if cfg is not None and cfg.attn_weight > 0 and isinstance(model.config, (Gemma2MLAConfig, Gemma3MLAConfig)):
+    if cfg is not None and isinstance(model.config, (Gemma2MLAConfig, Gemma3MLAConfig)):
         # the teacher's attention would need each layer's own RoPE and sliding-window mask
-        raise TransMLAError("per-layer attention matching (attn_weight > 0) is not built for Gemma 2/3 exports.",
-                            "set finetune.attn_weight: 0 (the kd / kd+lm objectives work) for this model.")
+        for name in ("attn_weight", "layerwise_epochs"):
+            if getattr(cfg, name) > 0:
+                raise TransMLAError(f"per-layer attention fitting ({name} > 0) is not built for Gemma 2/3 exports.",
+                                    f"set finetune.{name}: 0 (the kd / kd+lm objectives work) for this model.")
 
 
 # ---------------------------------------------------------------- training
@@ -457,9 +459,11 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
 
     check_mla_model(model, cfg)
     if cfg.needs_teacher and teacher is None:
-        what = f"objective={cfg.objective!r}" if cfg.objective != "lm" else f"attn_weight={cfg.attn_weight:g}"
+        what = (f"objective={cfg.objective!r}" if cfg.objective != "lm" else f"attn_weight={cfg.attn_weight:g}"
+                if cfg.attn_weight > 0 else f"layerwise_epochs={cfg.layerwise_epochs:g}")
         raise TransMLAError(f"finetune.{what} distils from the original model, but no teacher was given.",
-                            "pass the original model as the teacher, or use objective: lm with attn_weight: 0.")
+                            "pass the original model as the teacher, or use objective: lm with attn_weight: 0 "
+                            "and layerwise_epochs: 0.")
     torch.manual_seed(cfg.seed)
     unfold_latent_norms(model)
     counts = select_trainable(model, cfg.mode)
@@ -469,8 +473,9 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
         teacher_attn = teacher.config._attn_implementation
         teacher.to(getattr(torch, cfg.teacher_dtype)).eval().requires_grad_(False)
         use_causal_padded_sdpa(teacher)
-    model.train()
     resume = last_checkpoint(work_dir)
+    layerwise = _layerwise_phase(model, teacher, train, val, cfg, work_dir, resume)
+    model.train()
     # A resumed run has its step-0 loss in the restored history.
     args = training_arguments(cfg, work_dir, eval_on_start=resume is None)
     trainer = _trainer_class()(model=model, args=args, train_dataset=Blocks(train), eval_dataset=Blocks(val),
@@ -522,7 +527,41 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
         "tokens_per_second": round(steps_run * cfg.tokens_per_step / seconds, 1) if seconds > 0 and steps_run else None,
         "log_history": history,
         "latent_norms": fold,
+        "layerwise": layerwise,
     }
+
+
+def _layerwise_phase(model, teacher, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig, work_dir: str,
+                     resume: str | None) -> dict | None:
+    """Layer-wise distillation (training.layerwise) on the blocks the budget holds, before the first
+    Trainer step; its record is kept in `work_dir`, so a resumed run (whose checkpoint holds the fitted
+    weights) reports it without running it again."""
+    import json
+
+    if cfg.layerwise_epochs <= 0:
+        return None
+    path = Path(work_dir) / "layerwise.json"
+    if resume is not None and path.is_file():
+        return json.loads(path.read_text())
+    from transmla.training.layerwise import layerwise_distill
+
+    n = min(len(train), -(-cfg.max_tokens // cfg.seqlen))  # as many tokens as the end-to-end phase trains on
+    was = {p: p.requires_grad for p in model.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    record = layerwise_distill(model, teacher, train[:n], val, cfg.layerwise_epochs, cfg.layerwise_lr,
+                               cfg.layerwise_batch_size, seed=cfg.seed, log=_log)
+    for p, w in was.items():
+        p.requires_grad_(w)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2))
+    return record
+
+
+def _log(msg: str) -> None:
+    import sys
+
+    print(msg, file=sys.stderr, flush=True)
 
 
 def save_finetuned(model, tokenizer, out, record: dict):
@@ -537,6 +576,8 @@ def save_finetuned(model, tokenizer, out, record: dict):
     # Timings stay out of config.json: the content hash (evaluation cache key) must not depend on them.
     summary = {k: v for k, v in record.items()
                if k not in ("log_history", "resumed_from", "seconds_this_run", "tokens_per_second", "steps_this_run")}
+    if summary.get("layerwise"):
+        summary["layerwise"] = {k: v for k, v in summary["layerwise"].items() if k != "seconds"}
     meta = dict(getattr(model.config, "transmla", None) or {})
     meta["finetune"] = summary
     with atomic_dir(out) as tmp:
