@@ -74,6 +74,9 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
     # the paper runs first: their peak RSS then holds the models, not what compiling leaves resident
     plan = [("full", c, run) for c in full_contexts for run in FULL_RUNS] + [("decode", c, run) for c in contexts for run in RUNS]
     out = {"decode": [], "full": [], "bandwidth": bandwidth}
+    # one GEMM kernel for every packed run, chosen by measurement on the first one's weights: the speedups
+    # compare the same kernel (chosen per model, noise could pick two for a tiny model's near-equal timings)
+    gemm = "auto"
     bar = tqdm(plan, desc="throughput", unit="run")
     for kind, context, (label, which, backend) in bar:
         bar.set_postfix(kind=kind, context=context, run=label)
@@ -91,7 +94,9 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
             row = median_row([decode_step(m, backend, context, batch, steps=steps, threads=threads, seed=i,
                                           bandwidth=bandwidth["bytes_per_s"],
                                           packed_weights=packed_weights and label in PACKED_RUNS,
-                                          compiled=compiled_decode and label in COMPILED_RUNS) for i in range(repeats)])
+                                          compiled=compiled_decode and label in COMPILED_RUNS, gemm=gemm)
+                              for i in range(repeats)])
+            gemm = row.get("gemm") or gemm
         else:
             row = measure(m, backend, context, batch, threads=threads, cache_memory_bytes=int(cache_memory_gib * GIB))
         out[kind].append({"run": label, **row})
