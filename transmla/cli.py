@@ -147,9 +147,9 @@ def cmd_finetune(args) -> dict:
 
     cfg = FinetuneConfig(**{k: getattr(args, k) for k in FinetuneConfig.model_fields})
     if cfg.needs_teacher and not args.teacher:
-        what = (f"--objective {cfg.objective}" if cfg.objective != "lm" else f"--attn-weight {cfg.attn_weight:g}"
-                if cfg.attn_weight > 0 else f"--layerwise-epochs {cfg.layerwise_epochs:g}")
-        raise TransMLAError(f"{what} distils from the original model.",
+        name, value = cfg.teacher_setting
+        shown = value if isinstance(value, str) else f"{value:g}"
+        raise TransMLAError(f"--{name.replace('_', '-')} {shown} distils from the original model.",
                             "pass --teacher SOURCE (the model you converted), or use --objective lm --attn-weight 0 "
                             "--layerwise-epochs 0.")
     out = new_output_dir(args.out)  # fail before hours of training, not after

@@ -265,7 +265,16 @@ class FinetuneConfig(Options):
 
     @property
     def needs_teacher(self) -> bool:
-        return self.objective != "lm" or self.attn_weight > 0 or self.layerwise_epochs > 0
+        return self.teacher_setting is not None
+
+    @property
+    def teacher_setting(self) -> tuple[str, object] | None:
+        """The first (field, value) that distils from the original model, None when none does."""
+        for name, on in (("objective", self.objective != "lm"), ("attn_weight", self.attn_weight > 0),
+                         ("layerwise_epochs", self.layerwise_epochs > 0)):
+            if on:
+                return name, getattr(self, name)
+        return None
 
     @property
     def tokens_per_step(self) -> int:

@@ -80,6 +80,11 @@ def recovery_loss(hidden: torch.Tensor, head: torch.Tensor, input_ids: torch.Ten
     return loss, {"lm": lm.item(), "kd": kd.item() if use_kd else None}
 
 
+def relative_error(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """||out - target||^2 / ||target||^2 in float32 (target: float32, no grad)."""
+    return (out.float() - target).pow(2).sum() / target.pow(2).sum().clamp_min(1e-12)
+
+
 class AttentionMatch:
     """Per-layer attention matching: the signal the conversion broke, at every layer.
 
@@ -137,7 +142,7 @@ class AttentionMatch:
         """The mean relative error over the layers recorded by the last `with` block."""
         if not self.terms:
             raise RuntimeError("no attention layer ran inside the `with` block")
-        errs = [(out.float() - t).pow(2).sum() / t.pow(2).sum().clamp_min(1e-12) for out, t in self.terms]
+        errs = [relative_error(out, t) for out, t in self.terms]
         self.terms = []  # the outputs' graphs are released with the loss
         return torch.stack(errs).mean()
 

@@ -459,9 +459,8 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
 
     check_mla_model(model, cfg)
     if cfg.needs_teacher and teacher is None:
-        what = (f"objective={cfg.objective!r}" if cfg.objective != "lm" else f"attn_weight={cfg.attn_weight:g}"
-                if cfg.attn_weight > 0 else f"layerwise_epochs={cfg.layerwise_epochs:g}")
-        raise TransMLAError(f"finetune.{what} distils from the original model, but no teacher was given.",
+        name, value = cfg.teacher_setting
+        raise TransMLAError(f"finetune.{name}={value!r} distils from the original model, but no teacher was given.",
                             "pass the original model as the teacher, or use objective: lm with attn_weight: 0 "
                             "and layerwise_epochs: 0.")
     torch.manual_seed(cfg.seed)

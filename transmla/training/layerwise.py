@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from transmla.training.distill import relative_error
+
 
 def _call_layer(layer, h: torch.Tensor, pe) -> torch.Tensor:
     out = layer(h, position_embeddings=pe, attention_mask=None, use_cache=False)
@@ -33,10 +35,6 @@ def _attention(layer, h: torch.Tensor, pe) -> torch.Tensor:
     """A decoder layer's attention output [b, T, D] on its residual input h [b, T, D] (pre-norm layers)."""
     x = layer.input_layernorm(h)
     return layer.self_attn(hidden_states=x, position_embeddings=pe, attention_mask=None)[0]
-
-
-def _rel_err(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return (out.float() - target).pow(2).sum() / target.pow(2).sum().clamp_min(1e-12)
 
 
 def layerwise_distill(student, teacher, train_ids: torch.Tensor, val_ids: torch.Tensor, epochs: float, lr: float,
@@ -98,7 +96,7 @@ def layerwise_distill(student, teacher, train_ids: torch.Tensor, val_ids: torch.
                 order, k = torch.randperm(len(h), generator=gen), 0
             b = order[k : k + batch_size].to(dev)
             k += batch_size
-            loss = _rel_err(_attention(s_layer, h[b], pe), tgt[b])
+            loss = relative_error(_attention(s_layer, h[b], pe), tgt[b])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
