@@ -111,28 +111,40 @@ def save(res: dict, out: Path) -> None:
 
 
 def retime(args, res: dict, out: Path, model, tok, o: ConvertOptions, rows: list[str]) -> None:
-    """Conversion wall time and peak RSS of the rows `rows` at the budgets --budgets again, next to a fresh
-    plain forward."""
+    """Conversion wall time and peak RSS of the rows `rows` at the budgets --budgets again, each convert
+    between two plain forwards: F C F C F ... (--repeats converts). This machine's speed drifts by 20-40%
+    within minutes, so a convert is compared with the forwards timed right before and after it (their
+    mean), and the row keeps the median of those ratios (wall and CPU) with their range."""
     if not res["rows"]:
         raise SystemExit(f"--retime: {out} has no rows with this protocol; run the ablation first")
     for r in res["rows"]:  # rows not retimed keep the forward they were timed against
         r.setdefault("plain_forward_seconds", res["plain_forward_seconds"])
         if "plain_forward_cpu_seconds" in res:
             r.setdefault("plain_forward_cpu_seconds", res["plain_forward_cpu_seconds"])
-    fwd = plain_forward_times(model, tok, o)
-    res.update(fwd)
     budgets = {float(b) for b in args.budgets.split(",")}
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     for r in res["rows"]:
         if r["row"] not in rows or r["budget"] not in budgets:
             continue
-        with tempfile.TemporaryDirectory() as tmp:
-            info = convert_row(args.model, r["budget"], ROWS[r["row"]][1], Path(tmp) / "model")
-        r.update({k: info[k] for k in ("seconds", "calibration_seconds", "compute_seconds", "compute_cpu_seconds",
-                                       "peak_rss_gib")},
-                 **fwd)
+        fwds, infos = [plain_forward_times(model, tok, o, repeats=1)], []
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory() as tmp:
+                infos.append(convert_row(args.model, r["budget"], ROWS[r["row"]][1], Path(tmp) / "model"))
+            fwds.append(plain_forward_times(model, tok, o, repeats=1))
+        wall = [i["compute_seconds"] * 2 / (a["plain_forward_seconds"] + b["plain_forward_seconds"])
+                for i, a, b in zip(infos, fwds, fwds[1:])]
+        cpu = [i["compute_cpu_seconds"] * 2 / (a["plain_forward_cpu_seconds"] + b["plain_forward_cpu_seconds"])
+               for i, a, b in zip(infos, fwds, fwds[1:])]
+        r.update({k: med([i[k] for i in infos]) for k in ("seconds", "calibration_seconds", "compute_seconds",
+                                                          "compute_cpu_seconds", "peak_rss_gib")},
+                 plain_forward_seconds=med([f["plain_forward_seconds"] for f in fwds]),
+                 plain_forward_cpu_seconds=med([f["plain_forward_cpu_seconds"] for f in fwds]),
+                 compute_x_forward=[round(med(wall), 3), round(min(wall), 3), round(max(wall), 3)],
+                 compute_cpu_x_forward=[round(med(cpu), 3), round(min(cpu), 3), round(max(cpu), 3)])
+        res.update({k: r[k] for k in ("plain_forward_seconds", "plain_forward_cpu_seconds")})
         save(res, out)
         print(json.dumps({k: r[k] for k in ("row", "budget", "seconds", "compute_seconds", "compute_cpu_seconds",
-                                            "peak_rss_gib")}), flush=True)
+                                            "peak_rss_gib", "compute_x_forward", "compute_cpu_x_forward")}), flush=True)
 
 
 def original_prompts(model, tok) -> dict:
@@ -161,6 +173,9 @@ def markdown(res: dict) -> str:
         fwd = r.get("plain_forward_seconds", res["plain_forward_seconds"])  # the row's own run, else the report's
         if c is None:
             return "n/a"
+        if "compute_x_forward" in r:  # interleaved: median ratio against the bracketing forwards, with its range
+            (w, w0, w1), (u, u0, u1) = r["compute_x_forward"], r["compute_cpu_x_forward"]
+            return f"{c:.0f} ({w:.2f}x, {w0:.2f}-{w1:.2f}); CPU {u:.2f}x ({u0:.2f}-{u1:.2f})"
         cpu, cpu_fwd = r.get("compute_cpu_seconds"), r.get("plain_forward_cpu_seconds")
         return f"{c:.0f} ({c / fwd:.1f}x)" + ("" if cpu is None or not cpu_fwd else f"; CPU {cpu / cpu_fwd:.2f}x")
 
@@ -184,7 +199,9 @@ def markdown(res: dict) -> str:
              "forward with logits over the same calibration tokens timed in the row's own run (this machine's speed "
              f"drifts between sessions; latest forward {res['plain_forward_seconds']:.1f} s); CPU = the same ratio in "
              "CPU seconds of the process (all threads; time the host gives to other machines is not counted, "
-             "contention on the same cores still is; rows retimed since 2026-11-27); "
+             "contention on the same cores still is; rows retimed since 2026-11-27); rows with a range were retimed "
+             "interleaved (`--retime`: each convert between two forwards, ratio to their mean; median and range of "
+             "`--repeats` converts), the others against one forward timed before them; "
              f"peak RSS of the convert process; float32 model size {res['float32_gib']:.2f} GiB. Machine: "
              f"{pr['machine']}; one convert process at a time (`--retime` re-measures the times alone: run it on an "
              "idle machine).", ""]
@@ -215,6 +232,7 @@ def main() -> None:
     ap.add_argument("--eval-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="dtype of the perplexity forwards (bfloat16: ~4x faster on CPUs with AMX; prompts stay float32)")
     ap.add_argument("--retime", action="store_true", help="re-measure conversion times and peak RSS of the rows only")
+    ap.add_argument("--repeats", type=int, default=3, help="--retime: converts per row, each between two forwards")
     ap.add_argument("--rescore", action="store_true", help="add the 4-gram loop measure to rows saved without it")
     args = ap.parse_args()
     torch.manual_seed(0)
