@@ -77,6 +77,10 @@ DEFAULT_ROWS = [r for r in ROWS if r not in OPT_IN]
 DATASETS = ("wikitext2-test", "c4-demo")
 
 
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
 def plain_forward_times(model, tok, o: ConvertOptions, repeats: int = 3) -> dict:
     """Wall and CPU seconds (plain_forward_seconds, plain_forward_cpu_seconds) of one forward with logits over the calibration windows (what a conversion is
     compared with), each the median of `repeats` runs: single wall times on this machine ranged 30-38 s
@@ -91,8 +95,7 @@ def plain_forward_times(model, tok, o: ConvertOptions, repeats: int = 3) -> dict
                 model(ids[s : s + o.cal_batch_size], use_cache=False)
         walls.append(time.perf_counter() - t)
         cpus.append(time.process_time() - c)
-    return {"plain_forward_seconds": round(sorted(walls)[len(walls) // 2], 2),
-            "plain_forward_cpu_seconds": round(sorted(cpus)[len(cpus) // 2], 2)}
+    return {"plain_forward_seconds": round(_median(walls), 2), "plain_forward_cpu_seconds": round(_median(cpus), 2)}
 
 
 def convert_row(source: str, budget: float, flags: list[str], out: Path) -> dict:
@@ -122,7 +125,6 @@ def retime(args, res: dict, out: Path, model, tok, o: ConvertOptions, rows: list
         if "plain_forward_cpu_seconds" in res:
             r.setdefault("plain_forward_cpu_seconds", res["plain_forward_cpu_seconds"])
     budgets = {float(b) for b in args.budgets.split(",")}
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     for r in res["rows"]:
         if r["row"] not in rows or r["budget"] not in budgets:
             continue
@@ -135,12 +137,12 @@ def retime(args, res: dict, out: Path, model, tok, o: ConvertOptions, rows: list
                 for i, a, b in zip(infos, fwds, fwds[1:])]
         cpu = [i["compute_cpu_seconds"] * 2 / (a["plain_forward_cpu_seconds"] + b["plain_forward_cpu_seconds"])
                for i, a, b in zip(infos, fwds, fwds[1:])]
-        r.update({k: med([i[k] for i in infos]) for k in ("seconds", "calibration_seconds", "compute_seconds",
+        r.update({k: _median([i[k] for i in infos]) for k in ("seconds", "calibration_seconds", "compute_seconds",
                                                           "compute_cpu_seconds", "peak_rss_gib")},
-                 plain_forward_seconds=med([f["plain_forward_seconds"] for f in fwds]),
-                 plain_forward_cpu_seconds=med([f["plain_forward_cpu_seconds"] for f in fwds]),
-                 compute_x_forward=[round(med(wall), 3), round(min(wall), 3), round(max(wall), 3)],
-                 compute_cpu_x_forward=[round(med(cpu), 3), round(min(cpu), 3), round(max(cpu), 3)])
+                 plain_forward_seconds=_median([f["plain_forward_seconds"] for f in fwds]),
+                 plain_forward_cpu_seconds=_median([f["plain_forward_cpu_seconds"] for f in fwds]),
+                 compute_x_forward=[round(_median(wall), 3), round(min(wall), 3), round(max(wall), 3)],
+                 compute_cpu_x_forward=[round(_median(cpu), 3), round(min(cpu), 3), round(max(cpu), 3)])
         res.update({k: r[k] for k in ("plain_forward_seconds", "plain_forward_cpu_seconds")})
         save(res, out)
         print(json.dumps({k: r[k] for k in ("row", "budget", "seconds", "compute_seconds", "compute_cpu_seconds",
