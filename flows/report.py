@@ -87,7 +87,9 @@ def report(profile: Profile) -> str:
             f"{ft.dtype}, objective {ft.objective}{kd}"
             + (f" + {ft.attn_weight:g} x per-layer attention matching to the original" if ft.attn_weight > 0 else "")
             + (f", after layer-wise distillation ({ft.layerwise_epochs:g} pass(es) per layer over the same tokens, "
-               f"each converted attention fitted to the original's, lr {ft.layerwise_lr:g})" if ft.layerwise_epochs > 0 else "")
+               f"each converted attention fitted to the original's, lr {ft.layerwise_lr:g}"
+               + (f" {ft.layerwise_schedule}" if ft.layerwise_schedule != "constant" else "") + ")"
+               if ft.layerwise_epochs > 0 else "")
             + "; validation split by document; loss curves in reports/plots/."
             + (" WikiText-2 train is one of the corpora, so part of the perplexity gain is in-domain adaptation, "
                "not only recovery." if "wikitext2-train" in ft.corpora else ""))

@@ -151,7 +151,9 @@ def main() -> None:
                 **({"layerwise": layerwise.summary(r["layerwise"])} if r.get("layerwise") else {}),
                 **ppl(load_model(r["out"], dtype="float32")[0])}
             if "layerwise" in row:
-                row["label"] += (f", after layer-wise distillation ({row['layerwise']['epochs']:g} pass per layer, "
+                sched = row["layerwise"].get("schedule", "constant")
+                row["label"] += (f", after layer-wise distillation ({row['layerwise']['epochs']:g} pass per layer"
+                                 + (f", {sched} lr" if sched != "constant" else "") + ", "
                                  f"{row['layerwise']['seconds']:.0f} s; held-out attention error, mean over layers, "
                                  f"{row['layerwise']['attn_err_before']:.3f} -> {row['layerwise']['attn_err_after']:.3f}; "
                                  "val. before = after it)")

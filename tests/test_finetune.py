@@ -437,10 +437,11 @@ def test_attention_matching_needs_the_teacher(converted, blocks, tmp_path):
 
 # ---------------------------------------------------------------- layer-wise distillation
 
-def test_layerwise_distillation_fits_each_attention_layer_and_nothing_else(cut, blocks, sharp):
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_layerwise_distillation_fits_each_attention_layer_and_nothing_else(cut, blocks, sharp, schedule):
     """Every converted layer's held-out attention error falls; only attention weights change; the
     stream each layer is fitted on is the fitted prefix's own (its error before equals the one
-    measured by running the fitted model's attention on its own input, per layer)."""
+    measured by running the fitted model's attention on its own input, per layer). Either schedule."""
     from transmla.training.distill import AttentionMatch
     from transmla.training.layerwise import layerwise_distill, summary
 
@@ -449,8 +450,10 @@ def test_layerwise_distillation_fits_each_attention_layer_and_nothing_else(cut, 
     unfold_latent_norms(model)
     model.requires_grad_(False)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    record = layerwise_distill(model, teacher, blocks[0][:16], blocks[1], epochs=8, lr=1e-3, batch_size=4)
+    record = layerwise_distill(model, teacher, blocks[0][:16], blocks[1], epochs=8, lr=1e-3, batch_size=4,
+                               schedule=schedule)
     assert len(record["layers"]) == model.config.num_hidden_layers and record["steps_per_layer"] == 32
+    assert record["schedule"] == schedule
     layers = record["layers"]
     assert all(r["val_err_after"] <= r["val_err_before"] for r in layers)  # a layer that got worse is put back
     assert any(r["fitted"] and r["val_err_after"] < 0.9 * r["val_err_before"] for r in layers)
@@ -472,13 +475,48 @@ def test_layerwise_distillation_fits_each_attention_layer_and_nothing_else(cut, 
     assert errs == pytest.approx([r["val_err_after"] for r in record["layers"]], rel=1e-3)
 
 
+def test_layerwise_schedule_warms_up_then_decays_to_zero(cut, blocks, sharp, monkeypatch):
+    """cosine: the lr each Adam step uses rises linearly over the first tenth of a layer's steps to lr, then
+    falls monotonically to ~0 at its last step, and restarts for every layer; constant: lr at every step;
+    an unknown schedule is refused before anything runs."""
+    import transmla.training.layerwise as lw
+
+    seen = []
+    real_step = torch.optim.Adam.step
+
+    def step(self, *a, **k):
+        seen.append(self.param_groups[0]["lr"])
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", step)
+    model, _ = load_model(str(cut))
+    teacher = _teacher(sharp)
+    unfold_latent_norms(model)
+    model.requires_grad_(False)
+    n = model.config.num_hidden_layers
+    lw.layerwise_distill(model, teacher, blocks[0][:16], blocks[1], epochs=5, lr=2e-3, batch_size=4, schedule="cosine")
+    steps = 20
+    assert len(seen) == n * steps
+    per_layer = [seen[i * steps : (i + 1) * steps] for i in range(n)]
+    assert all(x == pytest.approx(per_layer[0]) for x in per_layer)  # every layer runs the same schedule
+    lrs = per_layer[0]
+    assert lrs[:2] == pytest.approx([1e-3, 2e-3])  # warmup: ceil(0.1 * 20) = 2 steps
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:])) and lrs[-1] < 0.02 * 2e-3
+    seen.clear()
+    lw.layerwise_distill(model, teacher, blocks[0][:8], blocks[1], epochs=1, lr=2e-3, batch_size=4)
+    assert seen == [2e-3] * (2 * n)
+    with pytest.raises(ValueError, match="cosine"):
+        lw.layerwise_distill(model, teacher, blocks[0][:8], blocks[1], epochs=1, lr=2e-3, batch_size=4, schedule="step")
+
+
 def test_layerwise_phase_in_finetune_is_recorded_resumed_and_exported_stock(cut, blocks, sharp, tmp_path, monkeypatch):
     """finetune(layerwise_epochs > 0): the phase runs before the first step (whether it lowers the KL is
     measured on SmolLM2, not on random tiny models: reports/recovery/); a resumed run reports the phase's
     record without running it again; the saved checkpoint is stock DeepseekV3 with identity latent norms."""
     import transmla.training.layerwise as lw
 
-    cfg = _cfg(objective="kd", lr=1e-4, max_tokens=4 * 4 * 64, eval_every=2, layerwise_epochs=4, layerwise_lr=1e-3)
+    cfg = _cfg(objective="kd", lr=1e-4, max_tokens=4 * 4 * 64, eval_every=2, layerwise_epochs=4, layerwise_lr=1e-3,
+               layerwise_schedule="cosine")
     model, tok = load_model(str(cut))
     with pytest.raises(KeyboardInterrupt):
         finetune(model, blocks[0], blocks[1], cfg, str(tmp_path / "w"), callbacks=[_Interrupt(2)], teacher=_teacher(sharp))
@@ -486,6 +524,7 @@ def test_layerwise_phase_in_finetune_is_recorded_resumed_and_exported_stock(cut,
     model, tok = load_model(str(cut))
     record = finetune(model, blocks[0], blocks[1], cfg, str(tmp_path / "w"), teacher=_teacher(sharp))
     assert record["resumed_from"].endswith("checkpoint-2") and record["layerwise"]["steps_per_layer"] == 16
+    assert record["layerwise"]["schedule"] == "cosine"  # the config's schedule reached the phase
     plain, _ = load_model(str(cut))
     ref = finetune(plain, blocks[0], blocks[1], cfg.model_copy(update={"layerwise_epochs": 0.0}), str(tmp_path / "p"),
                    teacher=_teacher(sharp))

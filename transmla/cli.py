@@ -36,6 +36,8 @@ FINETUNE_HELP = {
                         "layer, fitting each converted layer's attention to the original's (0: none; needs --teacher)",
     "layerwise_lr": "Adam learning rate of the layer-wise distillation",
     "layerwise_batch_size": "blocks per step of the layer-wise distillation",
+    "layerwise_schedule": "lr schedule of each layer's steps in the layer-wise distillation (cosine: a tenth "
+                          "warmup, then a half cosine to zero)",
     "teacher_dtype": "dtype of the teacher's forward (no gradients)",
     "loss_chunk": "positions per output-head chunk of the loss (logits never held for the whole batch)",
     "gradient_checkpointing": "recompute each decoder layer in backward (less memory, ~30%% more time)",

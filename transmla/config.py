@@ -259,6 +259,8 @@ class FinetuneConfig(Options):
     layerwise_epochs: float = Field(0.0, ge=0)
     layerwise_lr: float = Field(1e-3, gt=0)
     layerwise_batch_size: int = Field(4, ge=1)
+    # each layer's steps at a constant lr, or warmed up over their first tenth and decayed to zero (cosine)
+    layerwise_schedule: Literal["constant", "cosine"] = "constant"
     teacher_dtype: Literal["float32", "bfloat16"] = "float32"  # the teacher's forward (no gradients)
     loss_chunk: int = Field(1024, ge=1)  # positions per output-head chunk: logits never held for the whole batch
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward

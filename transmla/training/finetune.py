@@ -549,7 +549,7 @@ def _layerwise_phase(model, teacher, train: torch.Tensor, val: torch.Tensor, cfg
     for p in model.parameters():
         p.requires_grad_(False)
     record = layerwise_distill(model, teacher, train[:n], val, cfg.layerwise_epochs, cfg.layerwise_lr,
-                               cfg.layerwise_batch_size, seed=cfg.seed, log=_log)
+                               cfg.layerwise_batch_size, seed=cfg.seed, log=_log, schedule=cfg.layerwise_schedule)
     for p, w in was.items():
         p.requires_grad_(w)
     path.parent.mkdir(parents=True, exist_ok=True)

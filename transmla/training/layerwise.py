@@ -38,7 +38,7 @@ def _attention(layer, h: torch.Tensor, pe) -> torch.Tensor:
 
 
 def layerwise_distill(student, teacher, train_ids: torch.Tensor, val_ids: torch.Tensor, epochs: float, lr: float,
-                      batch_size: int, seed: int = 0, chunk: int = 16, log=None) -> dict:
+                      batch_size: int, seed: int = 0, chunk: int = 16, log=None, schedule: str = "constant") -> dict:
     """Fit each of `student`'s attention layers (in place, in order) to `teacher`'s on the student's own stream.
 
     student: a converted MLA model whose identity latent norms are unfolded (finetune.unfold_latent_norms),
@@ -47,8 +47,12 @@ def layerwise_distill(student, teacher, train_ids: torch.Tensor, val_ids: torch.
     (packed, no padding: attention is causal over each block). Per layer: ceil(epochs * N / batch_size) Adam
     steps at `lr` over the layer's attention weights in a seeded order; the relative error on `val_ids`
     (the held-out blocks, propagated alongside) before and after is recorded, and a layer whose held-out
-    error did not fall is put back as it was. Returns the record.
+    error did not fall is put back as it was. schedule: `constant` lr, or `cosine`: each layer's steps warm up
+    linearly over their first tenth and decay to zero along a half cosine (Adam's first steps move every
+    weight by about lr whatever its gradient, and a constant lr ends on a noisy iterate). Returns the record.
     """
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"layer-wise schedule {schedule!r}: use constant or cosine")
     s_layers, t_layers = student.model.layers, teacher.model.layers
     if len(s_layers) != len(t_layers):
         raise ValueError(f"student has {len(s_layers)} layers, teacher {len(t_layers)}")
@@ -91,7 +95,9 @@ def layerwise_distill(student, teacher, train_ids: torch.Tensor, val_ids: torch.
         opt = torch.optim.Adam(params, lr=lr)
         order = torch.randperm(len(h), generator=gen)
         k = 0
-        for _ in range(steps):
+        for step in range(steps):
+            for group in opt.param_groups:
+                group["lr"] = lr * lr_factor(schedule, step, steps)
             if k + batch_size > len(h):  # a new pass in a new order (the tail of the last one is dropped)
                 order, k = torch.randperm(len(h), generator=gen), 0
             b = order[k : k + batch_size].to(dev)
@@ -119,18 +125,30 @@ def layerwise_distill(student, teacher, train_ids: torch.Tensor, val_ids: torch.
         if log is not None:
             log(f"layer-wise distillation: layer {idx}: held-out attention error {before:.4f} -> {after:.4f} "
                 f"({'kept' if kept else 'not better: reverted'}; {time.perf_counter() - t0:.0f} s)")
-    return {"epochs": epochs, "lr": lr, "batch_size": batch_size, "steps_per_layer": steps,
+    return {"epochs": epochs, "lr": lr, "schedule": schedule, "batch_size": batch_size, "steps_per_layer": steps,
             "tokens": int(train_ids.numel()), "seconds": round(time.perf_counter() - t0, 1), "layers": layers}
 
 
+def lr_factor(schedule: str, step: int, steps: int) -> float:
+    """The multiple of lr at step `step` (0-based) of `steps`: 1 (constant), or a linear warmup over the first
+    tenth of the steps followed by a half cosine to zero at the last step (cosine)."""
+    if schedule == "constant":
+        return 1.0
+    warm = max(1, math.ceil(0.1 * steps))
+    if step < warm:
+        return (step + 1) / warm
+    return 0.5 * (1 + math.cos(math.pi * (step - warm + 1) / max(1, steps - warm + 1)))
+
+
 def summary(record: dict | None) -> dict:
-    """A layer-wise record in brief: passes, lr, seconds, layers fitted, and the held-out attention error,
+    """A layer-wise record in brief: passes, lr and its schedule, seconds, layers fitted, and the held-out attention error,
     mean over layers, before and after ({} when the phase did not run)."""
     if not record:
         return {}
     layers = record["layers"]
     n = max(len(layers), 1)
-    return {"epochs": record["epochs"], "lr": record["lr"], "seconds": record.get("seconds"),
+    return {"epochs": record["epochs"], "lr": record["lr"], "schedule": record.get("schedule", "constant"),
+            "seconds": record.get("seconds"),
             "attn_err_before": round(sum(x["val_err_before"] for x in layers) / n, 4),
             "attn_err_after": round(sum(x["val_err_after"] for x in layers) / n, 4),
             "layers_fitted": sum(bool(x.get("fitted", True)) for x in layers), "layers": len(layers)}
