@@ -183,6 +183,37 @@ def test_advance_after_refit_reuses_the_latents_correctly(tiny):
         assert torch.allclose(a, b, atol=1e-5 * b.abs().max())
 
 
+def test_refit_moments_from_the_original_query(tiny, monkeypatch):
+    """The refit's pass derives the MLA query from the original attention's q_proj output (query_map) where
+    the MLA q_proj is a per-head map of it (TransMLA's scaled, RoRoPE-rotated heads; Llama: plain q_proj).
+    The moments equal those from the MLA q_proj itself; a q_proj that is no such map gets no shortcut."""
+    from transmla.adapters import attention_weights
+    from transmla.pipeline import stream as stream_mod
+    from transmla.pipeline.layer import value_bias
+
+    model, _, spec, ids = tiny
+    o = ConvertOptions(qk_rope_dim=4, kv_lora_rank=8, refit=False)
+    budget, layers, _ = _convert(tiny, o)
+    s = mla_shapes(spec, budget, o)
+    vb = value_bias(attention_weights(model, 0), spec)
+    t = layers[0].to_tensors()
+    qmap = LayerStream._query_map(model.model.layers[0].self_attn, t, s)
+    if "q_proj.weight" not in t:  # Qwen2's q bias: the MLA query is a low-rank carrier, computed from x
+        assert qmap is None
+        return
+    assert qmap is not None and qmap.shape == (spec.h, t["q_proj.weight"].shape[0] // spec.h, spec.d)
+    # a query that mixes heads is no per-head map of the original one
+    mixed = t["q_proj.weight"].roll(spec.d, 0) + 0.1 * t["q_proj.weight"]
+    assert stream_mod.query_map(mixed, model.model.layers[0].self_attn.q_proj.weight, spec.h) is None
+    fast = LayerStream(model, ids, 4, progress=False).refit_moments(0, layers[0], s, vb, max_dim=4096)
+    monkeypatch.setattr(LayerStream, "_query_map", staticmethod(lambda *a: None))
+    slow = LayerStream(model, ids, 4, progress=False).refit_moments(0, layers[0], s, vb, max_dim=4096)
+    for a, b in zip(fast, slow):
+        assert torch.allclose(a.zz, b.zz, rtol=1e-4, atol=1e-6 * b.zz.abs().max())
+        assert torch.allclose(a.yz, b.yz, rtol=1e-4, atol=1e-6 * b.yz.abs().max())
+        assert a.yy == pytest.approx(b.yy, rel=1e-6)
+
+
 @pytest.mark.parametrize("max_scores", [1 << 25, 3 * 2 * 16 * 16])  # one chunk of heads; chunks of 3 heads
 def test_shared_key_attention_matches_sdpa(max_scores):
     from transmla.pipeline.stream import shared_key_attention
