@@ -181,8 +181,11 @@ def table(result: dict, title: str) -> str:
                   f"(`transmla.runtime.compiled_decode`); compiling took {first_compile:.0f} s once, not in the times.", ""]
     attention = sorted({r["decode_attention"] for r in result["decode"] if r.get("decode_attention")})
     if attention:
+        blocked = any(r.get("latent_layout") == "blocked" for r in result["decode"])
         lines += ["converted absorb, single-token attention over the latent: "
-                  + " / ".join(ATTENTION_NAMES.get(a, a) for a in attention) + ".", ""]
+                  + " / ".join(ATTENTION_NAMES.get(a, a) for a in attention)
+                  + (" (compiled runs: over the blocked latent cache, 16 tokens per block with the keys in the vector "
+                     "lanes)" if blocked else "") + ".", ""]
     pass_ms = next((r["gemm_pass_ms"] for r in result["decode"] if r.get("gemm_pass_ms")), None)
     if pass_ms:
         lines += ["GEMM kernel chosen by measurement on this CPU (`packed.fastest_kernel`: one pass of the batch "

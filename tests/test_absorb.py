@@ -459,23 +459,33 @@ def test_fastest_kernel_is_the_measured_one_and_measured_once(tiny_pair, monkeyp
 # --------------------------------------------------------------------------------------------------
 
 
+def _blocked_layouts():
+    from transmla.runtime import cpu_kernels
+
+    return [False, True] if cpu_kernels.available() else [False]
+
+
 @pytest.mark.parametrize("mla", ["llama", "q_lora_bias", "yarn_wide_rank"], indirect=True)
-def test_compiled_decode_step_equals_the_stock_forward(mla):
-    """One torch.compile graph per step over the static latent cache: the log-probs of the stock full
-    forward at every decoded position, the same latents as the eager LatentCache, a position that moves
-    and a capacity beyond it that stays masked out (and untouched)."""
+@pytest.mark.parametrize("blocked", _blocked_layouts())
+def test_compiled_decode_step_equals_the_stock_forward(mla, blocked):
+    """One torch.compile graph per step over the static latent cache, in rows or blocked (read by
+    transmla::latent_decode_blocked_cpu): the log-probs of the stock full forward at every decoded
+    position, the same latents as the eager LatentCache, a position that moves and a capacity beyond it
+    that stays masked out (and untouched)."""
+    from transmla.runtime.cpu_kernels import unblock_latent
     from transmla.runtime.compiled_decode import StaticLatentCache, compiled_step
 
     ids = _ids(mla, batch=3, n=16)
     prompt, capacity = 5, 20
     ref = _logprobs(mla, ids)
+    torch._dynamo.reset()
     with absorbed(mla):
         eager = LatentCache(mla.config)
         _incremental(mla, ids, prompt, eager)
         prefill = LatentCache(mla.config)
         with torch.no_grad():
             mla(ids[:, :prompt], past_key_values=prefill, use_cache=True)
-        cache = StaticLatentCache.from_latent_cache(prefill, batch=3, capacity=capacity)
+        cache = StaticLatentCache.from_latent_cache(prefill, batch=3, capacity=capacity, blocked=blocked)
         step = compiled_step(mla)
         got = []
         for t in range(prompt, ids.shape[1]):
@@ -483,11 +493,13 @@ def test_compiled_decode_step_equals_the_stock_forward(mla):
             cache.advance()
     assert (torch.stack(got, 1) - ref[:, prompt:]).abs().max() < TOL
     T = ids.shape[1]
-    assert cache.get_seq_length() == T and cache.capacity == capacity
+    assert cache.blocked == blocked and cache.get_seq_length() == T
+    assert cache.capacity == (32 if blocked else capacity)  # blocked: whole blocks of 16 tokens
     assert cache.nbytes() == eager.nbytes()
     for buf, layer in zip(cache.buffers, eager.layers, strict=True):
-        assert (buf[:, :T] - layer.buffer[:, :T]).abs().max() < 1e-5
-        assert not buf[:, T:].any()  # the slack is never written
+        rows = unblock_latent(buf) if blocked else buf
+        assert (rows[:, :T] - layer.buffer[:, :T]).abs().max() < 1e-5
+        assert not rows[:, T:].any()  # the slack is never written
 
 
 def test_static_latent_cache_copies_repeats_and_refuses(tiny_pair):
@@ -501,10 +513,17 @@ def test_static_latent_cache_copies_repeats_and_refuses(tiny_pair):
         prefill = LatentCache(mla.config)
         with torch.no_grad():
             mla(ids, past_key_values=prefill, use_cache=True)
-        cache = StaticLatentCache.from_latent_cache(prefill, batch=4, capacity=8)
+        cache = StaticLatentCache.from_latent_cache(prefill, batch=4, capacity=8, blocked=False)
         for buf, layer in zip(cache.buffers, prefill.layers, strict=True):
             assert buf.shape == (4, 8, layer.buffer.shape[-1])
             assert torch.equal(buf[:, :7], layer.buffer[:, :7].expand(4, -1, -1)) and not buf[:, 7:].any()
+        if True in _blocked_layouts():  # the same tokens, 16 to a block: [B, capacity / 16, E, 16]
+            from transmla.runtime.cpu_kernels import unblock_latent
+
+            blocked = StaticLatentCache.from_latent_cache(prefill, batch=4, capacity=8, blocked=True)
+            for buf, layer in zip(blocked.buffers, prefill.layers, strict=True):
+                assert buf.shape == (4, 2, layer.buffer.shape[-1], 16) and blocked.capacity == 32  # >= 2 blocks
+                assert torch.equal(unblock_latent(buf)[:, :7], layer.buffer[:, :7].expand(4, -1, -1))
         assert cache.get_seq_length() == 7 and not cache.position.requires_grad
         with pytest.raises(TransMLAError, match="no room"):
             StaticLatentCache.from_latent_cache(prefill, batch=4, capacity=7)
@@ -586,8 +605,8 @@ def test_compiled_decode_on_the_stream_kernel(tiny_pair):
     assert (got - ref[:, prompt:]).abs().max() < TOL
     assert "transmla::stream_linear" in ops
     assert not ops & {"mkldnn::_linear_pointwise", "mkl::_mkl_linear", "aten::addmm", "aten::linear"}
-    # the attention: "auto" on CPU is this project's latent kernel, kept as one call in the graph
-    assert "transmla::latent_decode_cpu" in ops and "aten::_scaled_dot_product_flash_attention_for_cpu" not in ops
+    # the attention: "auto" on CPU is this project's latent kernel over the blocked static cache, one call in the graph
+    assert "transmla::latent_decode_blocked_cpu" in ops and "aten::_scaled_dot_product_flash_attention_for_cpu" not in ops
 
 
 @pytest.mark.skipif("stream" not in _packed_kernels(), reason="no AVX2 CPU or no C++ toolchain for the stream kernel")
@@ -621,9 +640,11 @@ def test_compiled_decode_in_decode_step(tiny_pair):
     assert row["compiled"] is True and row["compile_s"] > 0 and row["packed_weights"] is False
     assert row["cache_length_end"] == 12 + 2 + 3
     assert row["kv_bytes_per_token_measured"] == row["kv_bytes_per_token"] == kv_bytes_per_token(converted.config, "absorb")
+    assert row["latent_layout"] == ("blocked" if True in _blocked_layouts() else "rows")
     assert not is_absorbed(converted)
     static = decode_step(converted, "static", context=12, batch=2, steps=2, threads=1, compiled=True)
     assert static["compiled"] is False and static["compile_s"] is None  # only absorb has a compiled step
+    assert static["latent_layout"] is None
 
 
 def test_compiled_decode_one_graph_for_every_context(tiny_pair):

@@ -144,3 +144,43 @@ def test_cpu_kernel_equals_dense(shape, masked):
             kernels.latent_decode(q, lat, None, 0.125, q.shape[-1] + 1)
         with pytest.raises(RuntimeError, match="mask"):
             kernels.latent_decode(q, lat, torch.zeros(1, T + 1), 0.125, r)
+
+
+@pytest.mark.skipif(_cpu_kernels() is None, reason="no AVX2 CPU or no C++ toolchain for the CPU decode kernels")
+@pytest.mark.parametrize("shape", CPU_SHAPES + [(2, 40, 24, 8, 16, 0), (3, 7, 5, 3, 1, 0)])
+@pytest.mark.parametrize("masked", ["none", "one", "per-sequence"])
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_blocked_cpu_kernel_equals_dense(shape, masked, isa, monkeypatch):
+    """transmla::latent_decode_blocked_cpu (csrc/latent_decode_blocked.cpp) over `block_latent`'s layout =
+    dense softmax attention, in its AVX-512 form where the CPU has it and in its AVX2 form (forced by
+    TRANSMLA_CPU_NO_AVX512): head counts below and above a group (6 for AVX2, 16 for AVX-512), widths and
+    ranks that are not multiples of the register tiles, a length that is not a whole number of blocks
+    (the padded keys masked, as a static cache's unused capacity is), whole chunks masked; bad input is
+    refused. block_latent / unblock_latent are inverses."""
+    kernels = _cpu_kernels()
+    if isa == "avx2":
+        monkeypatch.setenv("TRANSMLA_CPU_NO_AVX512", "1")
+    q, lat, mask = case(*shape)
+    B, T, r = shape[0], shape[4], shape[2]
+    blocked = kernels.block_latent(lat)
+    NB = blocked.shape[1]
+    assert blocked.shape == (B, -(-T // kernels.BLOCK), lat.shape[-1], kernels.BLOCK)
+    assert torch.equal(kernels.unblock_latent(blocked)[:, :T], lat) and not kernels.unblock_latent(blocked)[:, T:].any()
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf")).view(B, T)
+    m = {"none": None, "one": additive[-1:], "per-sequence": additive}[masked]
+    padded = None if m is None and T == NB * kernels.BLOCK else torch.full((B if m is not None and m.shape[0] == B else 1, NB * kernels.BLOCK), float("-inf"))
+    if padded is not None:
+        padded[:, :T] = 0.0 if m is None else m
+    got = kernels.latent_decode_blocked(q, blocked, padded, 0.125, r)
+    assert got.shape == (B, shape[1], r)
+    want = dense(q, lat, r, 0.125, None if m is None else m.view(m.shape[0], 1, 1, T))
+    assert (got.double() - want).abs().max() < 2e-5 * max(1.0, want.abs().max().item())
+    if masked == "none":
+        with pytest.raises(RuntimeError, match="float32"):
+            kernels.latent_decode_blocked(q.double(), blocked.double(), None, 0.125, r)
+        with pytest.raises(RuntimeError, match="rank"):
+            kernels.latent_decode_blocked(q, blocked, None, 0.125, q.shape[-1] + 1)
+        with pytest.raises(RuntimeError, match="mask"):
+            kernels.latent_decode_blocked(q, blocked, torch.zeros(1, NB * kernels.BLOCK + 1), 0.125, r)
+        with pytest.raises(RuntimeError, match="NB, E, 16"):
+            kernels.latent_decode_blocked(q, lat, None, 0.125, r)

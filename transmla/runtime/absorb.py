@@ -303,7 +303,8 @@ def _precompute(attn: nn.Module, fold: bool | None) -> None:
 # "cpu": this project's C++ kernel (transmla.runtime.cpu_kernels.latent_decode, float32), which reads
 # the latent once with every head's dot product from one load of each key: on the 2-core EPYC of
 # reports/throughput, 30 layers of batch 8 x 4106 keys in 29.6 ms against 46.4 ms for SDPA's CPU flash
-# kernel; "auto" takes it on CPU where it is built, SDPA otherwise.
+# kernel; "auto" takes it on CPU where it is built, SDPA otherwise. Over the compiled step's blocked
+# static cache (runtime.compiled_decode) "cpu" is its blocked form, transmla::latent_decode_blocked_cpu.
 DECODE_KERNEL = "auto"
 DECODE_KERNELS = ("auto", "sdpa", "bmm", "triton", "cpu")
 # "auto" on CUDA: the Triton kernel from this many cached tokens in the batch (B x T), bmm below
@@ -329,12 +330,30 @@ def decode_kernel(device: torch.device, batch: int = 1, length: int = 0, dtype: 
     return "triton" if batch * length >= AUTO_TRITON_MIN_TOKENS and triton_available() else "bmm"
 
 
+def unblock_latent(latent: torch.Tensor) -> torch.Tensor:
+    """A blocked static cache's latent [B, T / 16, E, 16] as rows [B, T, E] (a copy)."""
+    from transmla.runtime.cpu_kernels import unblock_latent as rows
+
+    return rows(latent)
+
+
+def _additive_mask(attention_mask: torch.Tensor | None, T: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """A single-token mask [B or 1, 1, 1, T] (bool: True = attend, or additive) as additive [B or 1, T]."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask.reshape(attention_mask.shape[0], T)
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask
+
+
 def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, scaling: float, rank: int) -> torch.Tensor:
     """Softmax attention of all heads over one shared latent key; the value is the key's first `rank` dims.
 
     Args:
         query (`torch.Tensor` of shape `[B, h, S, r + R]`): absorbed queries [W_UK^T q_nope ; q_rope].
-        latent (`torch.Tensor` of shape `[B, T, r + R]`): cached [c_kv ; k_pe], queries are its last S tokens.
+        latent (`torch.Tensor` of shape `[B, T, r + R]`): cached [c_kv ; k_pe], queries are its last S tokens;
+            or `[B, T / 16, r + R, 16]`, a blocked static cache (`runtime.compiled_decode`).
         attention_mask: None (causal, bottom-right aligned), bool `[B, 1, S, T]` (True = attend) or
             additive float `[B, 1, S, T]`, as transformers' sdpa / eager mask functions build them.
         scaling (`float`): the module's softmax scale.
@@ -343,6 +362,15 @@ def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, 
         `torch.Tensor` of shape `[B, h, S, r]`: sum_t p_t c_t per head.
     """
     B, h, S, E = query.shape
+    if latent.dim() == 4:  # runtime.compiled_decode's blocked static cache [B, T / 16, E, 16]
+        T = latent.shape[1] * latent.shape[3]
+        kernel = decode_kernel(query.device, B, T, query.dtype) if S == 1 else None
+        if kernel == "cpu":
+            from transmla.runtime.cpu_kernels import latent_decode_blocked
+
+            return latent_decode_blocked(query.reshape(B, h, E), latent, _additive_mask(attention_mask, T, query.dtype),
+                                         scaling, rank).view(B, h, 1, rank)
+        latent = unblock_latent(latent)  # another kernel: the rows (a copy)
     T = latent.shape[1]
     key = latent.unsqueeze(1)  # [B, 1, T, E]
     if attention_mask is not None:
@@ -359,12 +387,8 @@ def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, 
     if kernel == "cpu":
         from transmla.runtime.cpu_kernels import latent_decode
 
-        mask = None
-        if attention_mask is not None:  # [B or 1, 1, 1, T] -> additive [B or 1, T]
-            mask = attention_mask.reshape(attention_mask.shape[0], T)
-            if mask.dtype == torch.bool:
-                mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-        return latent_decode(query.reshape(B, h, E), latent, mask, scaling, rank).view(B, h, 1, rank)
+        return latent_decode(query.reshape(B, h, E), latent, _additive_mask(attention_mask, T, query.dtype), scaling,
+                             rank).view(B, h, 1, rank)
     if kernel == "bmm":
         # Decode as two batched matmuls over the latent: scores [B, h, T] = q [B, h, E] x latent^T, then
         # p x latent[:, :, :r]; no kernel dispatch on a one-head SDPA
@@ -486,6 +510,8 @@ def absorbed_forward(
 
     query = torch.cat([q_lat, q_rot], dim=-1)  # [B, h, S, r + R]
     softcap = getattr(self, "softcap", None)  # Gemma 2 (transmla.models.Gemma2MLAAttention)
+    if latent.dim() == 4 and (scale is not None or softcap is not None):  # a blocked static cache: rows for these
+        latent = unblock_latent(latent)
     if scale is None and softcap is None:
         out = latent_attention(query, latent, attention_mask, self.scaling, r)  # [B, h, S, r]
     elif scale is None:

@@ -11,7 +11,10 @@ and one graph serves every step; with inductor's `freezing` the weights become c
 prepacks for its GEMMs and the elementwise work between them is fused. Measured on this project's
 CPU (2 threads, SmolLM2-135M at 87.5%, batch 8, 4K context): eager 122 ms per step, eager on
 `runtime.packed` weights 83 ms, compiled 67 ms; compiling takes about a minute, once per batch size
-(the cache's capacity is a dynamic dimension: one graph serves every context length).
+(the cache's capacity is a dynamic dimension: one graph serves every context length). On a CPU whose
+decode kernels are built the buffers are blocked, [B, capacity / 16, r + R, 16] (16 tokens per block,
+each latent dim's 16 values contiguous), the layout `cpu_kernels.latent_decode_blocked` scores 16 keys
+per FMA from; a token is written as one strided column of its block.
 
     cache = StaticLatentCache.from_latent_cache(prefilled_latent_cache, batch=8, capacity=4096 + 64)
     step = compiled_step(model)                   # model absorbed (runtime.absorb.enable_absorb)
@@ -29,14 +32,16 @@ import torch._inductor.config as inductor_config
 from torch import nn
 
 from transmla.errors import TransMLAError
+from transmla.runtime import cpu_kernels
 
 
 class StaticLatentCache:
     """The MLA latent [c_kv ; k_pe] of every layer in fixed buffers, for a compiled decode step.
 
     Args:
-        buffers: one `torch.Tensor` [B, capacity, r + R] per layer; the first `length` positions hold
-            the cached tokens.
+        buffers: one `torch.Tensor` per layer, [B, capacity, r + R] (rows) or [B, capacity / 16, r + R, 16]
+            (blocked: `cpu_kernels.block_latent`'s layout, which `cpu_kernels.latent_decode_blocked`
+            reads); the first `length` positions hold the cached tokens.
         length (`int`): cached tokens; the next step writes at this position.
 
     `position` is a 0-dim int64 tensor (not a Python int), so the compiled step reads it as data and
@@ -48,7 +53,8 @@ class StaticLatentCache:
     def __init__(self, buffers: list[torch.Tensor], length: int):
         if not buffers:
             raise TransMLAError("A StaticLatentCache needs one buffer per layer, got none.", "pass the model's layers' latents.")
-        capacity = buffers[0].shape[1]
+        self.blocked = buffers[0].dim() == 4
+        capacity = buffers[0].shape[1] * (buffers[0].shape[3] if self.blocked else 1)
         if not 0 <= length <= capacity:
             raise TransMLAError(f"A static latent cache of capacity {capacity} cannot take a token at position {length}.",
                                 "allocate capacity for the prompt plus every new token.")
@@ -59,9 +65,11 @@ class StaticLatentCache:
 
     @classmethod
     @torch.no_grad()
-    def from_latent_cache(cls, cache, batch: int, capacity: int) -> StaticLatentCache:
+    def from_latent_cache(cls, cache, batch: int, capacity: int, blocked: bool | None = None) -> StaticLatentCache:
         """The tokens of a prefilled `LatentCache` in new buffers of `capacity` tokens, each sequence of
-        the cache repeated to `batch` rows (batch must be a multiple of the cache's batch)."""
+        the cache repeated to `batch` rows (batch must be a multiple of the cache's batch). blocked: the
+        blocked layout (capacity rounded up to whole blocks); None = where the absorbed attention reads it
+        (`blocked_layout`: float32 on a CPU whose decode kernels are built)."""
         layers = [layer for layer in cache.layers if layer.is_initialized]
         if not layers or len(layers) != len(cache.layers):
             raise TransMLAError("The latent cache to copy has uninitialised layers.", "prefill it first (one forward over the prompt).")
@@ -71,23 +79,37 @@ class StaticLatentCache:
         if capacity <= length:
             raise TransMLAError(f"Capacity {capacity} leaves no room after the {length} cached tokens.",
                                 "allocate capacity for the prompt plus every new token.")
+        first = layers[0].buffer
+        if blocked is None:
+            blocked = blocked_layout(first.device, first.dtype)
+        if blocked:  # whole blocks, at least 2: dynamo specialises a dynamic dimension of size 1 (a graph more)
+            capacity = max(2, -(-capacity // cpu_kernels.BLOCK)) * cpu_kernels.BLOCK
         buffers = []
         for layer in layers:
             src = layer.buffer[:, :length]
             buf = torch.zeros(batch, capacity, src.shape[-1], dtype=src.dtype, device=src.device)
             # a fresh tensor (not an inference-mode one): the compiled step writes into it in place
             buf[:, :length] = src.repeat_interleave(batch // src_batch, dim=0)
-            buffers.append(buf)
+            buffers.append(cpu_kernels.block_latent(buf) if blocked else buf)
         return cls(buffers, length)
 
     @property
     def capacity(self) -> int:
-        return self.buffers[0].shape[1]
+        b = self.buffers[0]
+        return b.shape[1] * b.shape[3] if self.blocked else b.shape[1]
 
     def update_latent(self, latent: torch.Tensor, layer_idx: int, rank: int) -> torch.Tensor:
-        """Write latent [B, 1, r + R] at `position` of layer `layer_idx`; returns the whole buffer [B, capacity, r + R]."""
+        """Write latent [B, 1, r + R] at `position` of layer `layer_idx`; returns the whole buffer
+        ([B, capacity, r + R], or blocked [B, capacity / 16, r + R, 16])."""
         buf = self.buffers[layer_idx]
-        buf.index_copy_(1, self.position.view(1), latent)
+        if self.blocked:
+            # token p, dim e sits at flat offset (p // 16) * E * 16 + e * 16 + p % 16 of its sequence
+            B, _, E, blk = buf.shape
+            base = torch.div(self.position, blk, rounding_mode="floor") * (E * blk) + self.position % blk
+            idx = base + blk * torch.arange(E, device=buf.device)
+            buf.view(B, -1).index_copy_(1, idx, latent.reshape(B, E))
+        else:
+            buf.index_copy_(1, self.position.view(1), latent)
         return buf
 
     def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -105,13 +127,23 @@ class StaticLatentCache:
     def nbytes(self) -> int:
         """Bytes of the cached tokens (all layers and sequences); excludes the unused capacity."""
         n = int(self.position)
-        return sum(b.shape[0] * n * b.shape[2] * b.element_size() for b in self.buffers)
+        return sum(b.shape[0] * n * b.shape[2 if self.blocked else -1] * b.element_size() for b in self.buffers)
 
     def check_room(self) -> None:
         """Raise TransMLAError when no position is left to write (the compiled graph does not bounds-check)."""
         if int(self.position) >= self.capacity:
             raise TransMLAError(f"The static latent cache is full ({self.capacity} tokens).",
                                 "allocate capacity for the prompt plus every new token.")
+
+
+def blocked_layout(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a static cache on `device` of `dtype` is kept blocked: where the absorbed attention reads it
+    with `cpu_kernels.latent_decode_blocked` (float32 on a CPU whose kernels are built, the decode kernel
+    "cpu" or "auto")."""
+    from transmla.runtime import absorb
+
+    return (device.type == "cpu" and dtype == torch.float32 and absorb.DECODE_KERNEL in ("auto", "cpu")
+            and cpu_kernels.available())
 
 
 def decode_step(model: nn.Module, ids: torch.Tensor, cache: StaticLatentCache) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""This project's CPU decode kernels (C++ in csrc/, AVX2 + FMA), as registered torch operators.
+"""This project's CPU decode kernels (C++ in csrc/: AVX2 + FMA, AVX-512 where the CPU has it), as registered torch operators.
 
 A decode step on CPU is two reads: every weight (the skinny GEMMs of the batch's few rows) and, for
 the absorbed MLA, the latent cache (one attention per layer). PyTorch's kernels do neither at the
@@ -14,7 +14,13 @@ machine's bandwidth on this project's 2-core AMD EPYC, so two operators do it di
   latent, the latent read once (flash-decoding: chunks of keys in parallel, merged by their maxima
   and sums). Every head's dot product comes from one load of the key. 30 layers of batch 8 x 4106
   keys, 9 heads, a 48-wide latent, 2 threads: 29.6 ms against 46.4 ms for SDPA's CPU flash kernel.
-  `runtime.absorb` uses it as the decode kernel "cpu".
+  `runtime.absorb` uses it as the decode kernel "cpu" over a `LatentCache`.
+- `transmla::latent_decode_blocked_cpu` (csrc/latent_decode_blocked.cpp): the same attention over a
+  block-transposed latent ([B, T / 16, E, 16], `block_latent`), the layout of the compiled decode
+  step's static cache (`runtime.compiled_decode`): sixteen keys sit in the lanes of one vector, so a
+  score is an FMA per latent dim for 16 keys at once, with no horizontal sum per key (where the row
+  kernel spends most of its time), and the value products read the same blocks. AVX-512 where the CPU
+  has it (one zmm per block row), else AVX2 (two ymm), chosen at run time.
 
 Both are built once per machine by torch.utils.cpp_extension (gcc and ninja, 15-45 s; cached under
 ~/.cache/torch_extensions) at the first `available()` call. `available()` is False on a CPU without
@@ -32,8 +38,10 @@ from pathlib import Path
 import torch
 
 # what the kernels are built from; tasks.codehash adds these files to the cache key of every task that can run them
-NATIVE_SOURCES = ("csrc/stream_linear.cpp", "csrc/latent_decode.cpp")
-SOURCES = [str(Path(__file__).parent / f) for f in NATIVE_SOURCES]
+NATIVE_SOURCES = ("csrc/stream_linear.cpp", "csrc/latent_decode.cpp", "csrc/latent_decode_blocked.cpp",
+                  "csrc/latent_decode_blocked_impl.h")
+SOURCES = [str(Path(__file__).parent / f) for f in NATIVE_SOURCES if f.endswith(".cpp")]
+BLOCK = 16  # keys per block of the blocked latent layout (latent_decode_blocked): one AVX-512 vector
 NAME = "transmla_cpu_kernels"
 
 _AVAILABLE: bool | None = None  # a plain flag (not functools.cache): read inside compiled graphs
@@ -82,6 +90,10 @@ def _load() -> bool:
         def _(q, latent, mask, scale, rank):
             return q.new_empty(q.shape[0], q.shape[1], rank)
 
+        @torch.library.register_fake("transmla::latent_decode_blocked_cpu")
+        def _(q, latent, mask, scale, rank):
+            return q.new_empty(q.shape[0], q.shape[1], rank)
+
     return True
 
 
@@ -103,3 +115,33 @@ def latent_decode(q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor | No
         `torch.Tensor` of shape `[B, h, rank]`: softmax(scale q latent^T + mask) latent[..., :rank].
     """
     return torch.ops.transmla.latent_decode_cpu(q, latent, mask, scale, rank)
+
+
+def latent_decode_blocked(q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                          rank: int) -> torch.Tensor:
+    """`latent_decode` over the block-transposed latent of `block_latent`, float32 on CPU.
+
+    Args:
+        q (`torch.Tensor` of shape `[B, h, E]`): absorbed queries.
+        latent (`torch.Tensor` of shape `[B, NB, E, BLOCK]`): keys BLOCK k .. BLOCK k + BLOCK - 1 in block k,
+            each dim's BLOCK values contiguous (the keys in the vector lanes: one FMA scores BLOCK keys).
+        mask (`torch.Tensor` of shape `[1 or B, NB * BLOCK]` or None): additive.
+    Returns:
+        `torch.Tensor` of shape `[B, h, rank]`, as `latent_decode` over `unblock_latent(latent)`.
+    """
+    return torch.ops.transmla.latent_decode_blocked_cpu(q, latent, mask, scale, rank)
+
+
+def block_latent(latent: torch.Tensor) -> torch.Tensor:
+    """[B, T, E] -> [B, ceil(T / BLOCK), E, BLOCK] (a copy; T padded with zero keys to whole blocks)."""
+    B, T, E = latent.shape
+    pad = -T % BLOCK
+    if pad:
+        latent = torch.cat([latent, latent.new_zeros(B, pad, E)], 1)
+    return latent.view(B, -1, BLOCK, E).transpose(2, 3).contiguous()
+
+
+def unblock_latent(latent: torch.Tensor) -> torch.Tensor:
+    """[B, NB, E, BLOCK] -> [B, NB * BLOCK, E] (a copy)."""
+    B, NB, E, _ = latent.shape
+    return latent.transpose(2, 3).reshape(B, NB * BLOCK, E)

@@ -479,8 +479,10 @@ def decode_step(
             synchronize(dev)
             prefill = time.perf_counter() - t0
             nxt = out.logits[:, -1:].argmax(-1).repeat(batch, 1)  # [batch, 1]
+            latent_layout = "rows" if backend == "absorb" else None
             if compiled:
                 cache = compiled_decode.StaticLatentCache.from_latent_cache(cache, batch, total)
+                latent_layout = "blocked" if cache.blocked else "rows"
                 step = compiled_decode.compiled_step(model, gemm=gemm_used)
             elif backend == "static":
                 cache = static_copy(cache, config, batch, total)
@@ -521,6 +523,8 @@ def decode_step(
         "gemm_pass_ms": gemm_pass_ms,
         # the absorbed single-token attention kernel ("auto" resolved: runtime.absorb.decode_kernel)
         "decode_attention": decode_kernel(dev, batch, length, next(model.parameters()).dtype) if backend == "absorb" else None,
+        # the latent cache's layout: "blocked" = 16 tokens per block, keys in the vector lanes (compiled_decode)
+        "latent_layout": latent_layout,
         "context": context,
         "batch": batch,
         "steps": steps,
