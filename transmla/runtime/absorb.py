@@ -45,6 +45,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from transmla.errors import TransMLAError
 from transmla.runtime import packed as packing
+from transmla.runtime.cpu_kernels import unblock_latent
+from transmla.runtime.latent_decode import additive_mask
 
 _BUFFERS = ("absorb_q_weight", "absorb_w_uk", "absorb_o_weight", "absorb_w_uv")
 
@@ -330,23 +332,6 @@ def decode_kernel(device: torch.device, batch: int = 1, length: int = 0, dtype: 
     return "triton" if batch * length >= AUTO_TRITON_MIN_TOKENS and triton_available() else "bmm"
 
 
-def unblock_latent(latent: torch.Tensor) -> torch.Tensor:
-    """A blocked static cache's latent [B, T / 16, E, 16] as rows [B, T, E] (a copy)."""
-    from transmla.runtime.cpu_kernels import unblock_latent as rows
-
-    return rows(latent)
-
-
-def _additive_mask(attention_mask: torch.Tensor | None, T: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """A single-token mask [B or 1, 1, 1, T] (bool: True = attend, or additive) as additive [B or 1, T]."""
-    if attention_mask is None:
-        return None
-    mask = attention_mask.reshape(attention_mask.shape[0], T)
-    if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-    return mask
-
-
 def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, scaling: float, rank: int) -> torch.Tensor:
     """Softmax attention of all heads over one shared latent key; the value is the key's first `rank` dims.
 
@@ -368,7 +353,7 @@ def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, 
         if kernel == "cpu":
             from transmla.runtime.cpu_kernels import latent_decode_blocked
 
-            return latent_decode_blocked(query.reshape(B, h, E), latent, _additive_mask(attention_mask, T, query.dtype),
+            return latent_decode_blocked(query.reshape(B, h, E), latent, additive_mask(attention_mask, None, T),
                                          scaling, rank).view(B, h, 1, rank)
         latent = unblock_latent(latent)  # another kernel: the rows (a copy)
     T = latent.shape[1]
@@ -387,7 +372,7 @@ def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, 
     if kernel == "cpu":
         from transmla.runtime.cpu_kernels import latent_decode
 
-        return latent_decode(query.reshape(B, h, E), latent, _additive_mask(attention_mask, T, query.dtype), scaling,
+        return latent_decode(query.reshape(B, h, E), latent, additive_mask(attention_mask, None, T), scaling,
                              rank).view(B, h, 1, rank)
     if kernel == "bmm":
         # Decode as two batched matmuls over the latent: scores [B, h, T] = q [B, h, E] x latent^T, then

@@ -39,7 +39,7 @@ import torch
 
 # what the kernels are built from; tasks.codehash adds these files to the cache key of every task that can run them
 NATIVE_SOURCES = ("csrc/stream_linear.cpp", "csrc/latent_decode.cpp", "csrc/latent_decode_blocked.cpp",
-                  "csrc/latent_decode_blocked_impl.h")
+                  "csrc/latent_decode_blocked_impl.h", "csrc/latent_merge.h")
 SOURCES = [str(Path(__file__).parent / f) for f in NATIVE_SOURCES if f.endswith(".cpp")]
 BLOCK = 16  # keys per block of the blocked latent layout (latent_decode_blocked): one AVX-512 vector
 NAME = "transmla_cpu_kernels"

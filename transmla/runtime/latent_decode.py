@@ -108,8 +108,9 @@ def resident_programs(compiled, device: torch.device, num_warps: int) -> int | N
         return None
 
 
-def _additive_mask(mask: torch.Tensor | None, B: int, T: int) -> torch.Tensor | None:
-    """A [B, 1, 1, T] (or [1, 1, 1, T]) bool (True = attend) or additive mask as float32 [B, T]."""
+def additive_mask(mask: torch.Tensor | None, B: int | None, T: int) -> torch.Tensor | None:
+    """A [B, 1, 1, T'] (or [1, 1, 1, T']) bool (True = attend) or additive mask as float32 [B, T] (its last T
+    columns); B None keeps a shared mask [1, T] as it is (the CPU kernels broadcast it)."""
     if mask is None:
         return None
     m = mask.reshape(mask.shape[0], -1)[:, -T:]
@@ -117,7 +118,7 @@ def _additive_mask(mask: torch.Tensor | None, B: int, T: int) -> torch.Tensor | 
         m = torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill_(~m, float("-inf"))
     else:
         m = m.float()
-    return m.expand(B, T) if m.shape[0] != B else m
+    return m.expand(B, T) if B is not None and m.shape[0] != B else m
 
 
 def merge_splits(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
@@ -147,7 +148,7 @@ def latent_decode_torch(query: torch.Tensor, latent: torch.Tensor, rank: int, sc
     """
     B, h, E = query.shape
     T = latent.shape[1]
-    add = _additive_mask(mask, B, T)
+    add = additive_mask(mask, B, T)
     chunk = _chunk_tiles(T, num_splits, block_t) * block_t
     q = query.float()
     ms, ls, accs = [], [], []
@@ -215,7 +216,7 @@ def latent_decode_triton(query: torch.Tensor, latent: torch.Tensor, rank: int, s
         num_splits = choose_splits(B, T, block_t, _resident(query.device, key))
     tiles = _chunk_tiles(T, num_splits, block_t)
     S = math.ceil(math.ceil(T / block_t) / tiles)
-    add = _additive_mask(mask, B, T)
+    add = additive_mask(mask, B, T)
     acc = torch.empty(B, h, S, rank, dtype=torch.float32, device=query.device)  # merge_splits' layout
     m = torch.empty(B, h, S, dtype=torch.float32, device=query.device)
     l = torch.empty_like(m)

@@ -13,6 +13,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "latent_merge.h"
+
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -146,13 +148,7 @@ at::Tensor latent_decode(const at::Tensor& q, const at::Tensor& latent, const c1
   const int64_t B = q.size(0), h = q.size(1), E = q.size(2), T = latent.size(1);
   const at::Tensor lat = latent.stride(2) == 1 && latent.stride(1) >= E ? latent : latent.contiguous();
   const int64_t row_stride = lat.stride(1), seq_stride = lat.stride(0);
-  at::Tensor mk;
-  int64_t mask_stride = 0;
-  if (mask.has_value() && mask->defined()) {
-    mk = mask->to(at::kFloat).contiguous();
-    TORCH_CHECK(mk.numel() == T || mk.numel() == B * T, "latent_decode: mask [1 or B, T] (additive)");
-    mask_stride = mk.numel() == T ? 0 : T;
-  }
+  const transmla_latent::AdditiveMask mk = transmla_latent::additive_mask(mask, B, T, "latent_decode");
   const int64_t groups = (h + 15) / 16, chunks = std::max<int64_t>(1, (T + kChunk - 1) / kChunk);
   // groups of up to 16 heads; chunk<G> reads only its group's G query rows, so q needs no padding
   const at::Tensor qc = q.contiguous();
@@ -160,7 +156,7 @@ at::Tensor latent_decode(const at::Tensor& q, const at::Tensor& latent, const c1
   at::Tensor acc = at::empty({B, groups, chunks, 16, rank}, q.options());
   const float* qp = qc.data_ptr<float>();
   const float* lp = lat.data_ptr<float>();
-  const float* mp = mk.defined() ? mk.data_ptr<float>() : nullptr;
+  const float* mp = mk.data();
   float* mptr = m.data_ptr<float>();
   float* lptr = l.data_ptr<float>();
   float* aptr = acc.data_ptr<float>();
@@ -174,7 +170,7 @@ at::Tensor latent_decode(const at::Tensor& q, const at::Tensor& latent, const c1
       const int n_heads = static_cast<int>(std::min<int64_t>(16, h - g * 16));
       auto run = [&](auto tag) {
         chunk<decltype(tag)::value>(qp + (b * h + g * 16) * E, E, lp + b * seq_stride, row_stride, t0, t1,
-                                    mp ? mp + b * mask_stride : nullptr, sc, rank, mptr + item * 16, lptr + item * 16,
+                                    mp ? mp + b * mk.stride : nullptr, sc, rank, mptr + item * 16, lptr + item * 16,
                                     aptr + item * 16 * rank, scores.data());
       };
       switch (n_heads) {
@@ -197,32 +193,7 @@ at::Tensor latent_decode(const at::Tensor& q, const at::Tensor& latent, const c1
       }
     }
   });
-  // merge the chunks: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
-  at::Tensor out = at::empty({B, h, rank}, q.options());
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * h, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t bj = r0; bj < r1; ++bj) {
-      const int64_t b = bj / h, j = bj % h, g = j / 16, lane = j % 16;
-      const int64_t base = (b * groups + g) * chunks;
-      float M = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < chunks; ++c) M = std::max(M, mptr[(base + c) * 16 + lane]);
-      const float Ms = std::isinf(M) ? 0.f : M;
-      float L = 0.f;
-      float* o = op + bj * rank;
-      for (int64_t d = 0; d < rank; ++d) o[d] = 0.f;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const float mc = mptr[(base + c) * 16 + lane];
-        const float wgt = std::isinf(mc) ? 0.f : std::exp(mc - Ms);
-        if (wgt == 0.f) continue;
-        L += wgt * lptr[(base + c) * 16 + lane];
-        const float* a = aptr + ((base + c) * 16 + lane) * rank;
-        for (int64_t d = 0; d < rank; ++d) o[d] += wgt * a[d];
-      }
-      const float inv = L > 0.f ? 1.f / L : 0.f;
-      for (int64_t d = 0; d < rank; ++d) o[d] *= inv;
-    }
-  });
-  return out;
+  return transmla_latent::merge_chunks(m, l, acc, h);
 }
 
 }  // namespace

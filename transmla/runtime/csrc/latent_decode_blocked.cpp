@@ -12,6 +12,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "latent_merge.h"
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -125,13 +127,7 @@ at::Tensor latent_decode_blocked(const at::Tensor& q, const at::Tensor& latent, 
   const at::Tensor lat = latent.stride(3) == 1 && latent.stride(2) == 16 && latent.stride(1) == E * 16
                              ? latent : latent.contiguous();
   const int64_t seq_stride = lat.stride(0);
-  at::Tensor mk;
-  int64_t mask_stride = 0;
-  if (mask.has_value() && mask->defined()) {
-    mk = mask->to(at::kFloat).contiguous();
-    TORCH_CHECK(mk.numel() == T || mk.numel() == B * T, "latent_decode_blocked: mask [1 or B, NB * 16] (additive)");
-    mask_stride = mk.numel() == T ? 0 : T;
-  }
+  const transmla_latent::AdditiveMask mk = transmla_latent::additive_mask(mask, B, T, "latent_decode_blocked");
   // TRANSMLA_CPU_NO_AVX512=1: the AVX2 form on an AVX-512 CPU too (tests check both forms on one machine)
   const char* no512 = std::getenv("TRANSMLA_CPU_NO_AVX512");
   const bool wide = has_avx512() && !(no512 && *no512 && *no512 != '0');
@@ -142,7 +138,7 @@ at::Tensor latent_decode_blocked(const at::Tensor& q, const at::Tensor& latent, 
   at::Tensor acc = at::empty({B, groups, chunks, gmax, rank}, q.options());
   const float* qp = qc.data_ptr<float>();
   const float* lp = lat.data_ptr<float>();
-  const float* mp = mk.defined() ? mk.data_ptr<float>() : nullptr;
+  const float* mp = mk.data();
   float* mptr = m.data_ptr<float>();
   float* lptr = l.data_ptr<float>();
   float* aptr = acc.data_ptr<float>();
@@ -155,7 +151,7 @@ at::Tensor latent_decode_blocked(const at::Tensor& q, const at::Tensor& latent, 
       const int64_t item = (b * groups + g) * chunks + c;
       const int G = static_cast<int>(std::min<int64_t>(gmax, h - g * gmax));
       const float* qg = qp + (b * h + g * gmax) * E;
-      const float* mb = mp ? mp + b * mask_stride : nullptr;
+      const float* mb = mp ? mp + b * mk.stride : nullptr;
       if (wide)
         v512::run_chunk(G, qg, E, lp + b * seq_stride, k0, k1, mb, sc, rank, mptr + item * gmax, lptr + item * gmax,
                         aptr + item * gmax * rank, scores.data());
@@ -164,32 +160,7 @@ at::Tensor latent_decode_blocked(const at::Tensor& q, const at::Tensor& latent, 
                         aptr + item * gmax * rank, scores.data());
     }
   });
-  // merge the chunks: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
-  at::Tensor out = at::empty({B, h, rank}, q.options());
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * h, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t bj = r0; bj < r1; ++bj) {
-      const int64_t b = bj / h, j = bj % h, g = j / gmax, lane = j % gmax;
-      const int64_t base = (b * groups + g) * chunks;
-      float M = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < chunks; ++c) M = std::max(M, mptr[(base + c) * gmax + lane]);
-      const float Ms = std::isinf(M) ? 0.f : M;
-      float L = 0.f;
-      float* o = op + bj * rank;
-      for (int64_t d = 0; d < rank; ++d) o[d] = 0.f;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const float mc = mptr[(base + c) * gmax + lane];
-        const float wgt = std::isinf(mc) ? 0.f : std::exp(mc - Ms);
-        if (wgt == 0.f) continue;
-        L += wgt * lptr[(base + c) * gmax + lane];
-        const float* a = aptr + ((base + c) * gmax + lane) * rank;
-        for (int64_t d = 0; d < rank; ++d) o[d] += wgt * a[d];
-      }
-      const float inv = L > 0.f ? 1.f / L : 0.f;
-      for (int64_t d = 0; d < rank; ++d) o[d] *= inv;
-    }
-  });
-  return out;
+  return transmla_latent::merge_chunks(m, l, acc, h);
 }
 
 }  // namespace

@@ -1,0 +1,65 @@
+// Shared by the latent decode kernels (latent_decode.cpp, latent_decode_blocked.cpp): the additive mask's
+// checks and the flash-decoding merge of per-chunk softmax partials.
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace transmla_latent {
+
+// An optional additive mask [1 or B, T] as contiguous float32 and its per-sequence stride (0: shared).
+struct AdditiveMask {
+  at::Tensor values;
+  int64_t stride = 0;
+  const float* data() const { return values.defined() ? values.data_ptr<float>() : nullptr; }
+};
+
+inline AdditiveMask additive_mask(const c10::optional<at::Tensor>& mask, int64_t B, int64_t T, const char* what) {
+  AdditiveMask out;
+  if (mask.has_value() && mask->defined()) {
+    out.values = mask->to(at::kFloat).contiguous();
+    TORCH_CHECK(out.values.numel() == T || out.values.numel() == B * T, what, ": mask [1 or B, T] (additive)");
+    out.stride = out.values.numel() == T ? 0 : T;
+  }
+  return out;
+}
+
+// Merge per-chunk partials into out [B, h, rank]: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
+// m, l [B, groups, chunks, lanes]; acc [B, groups, chunks, lanes, rank]; head j is lane j % lanes of group
+// j / lanes. A head whose keys are all masked (every m_c = -inf) gets zeros, not NaN.
+inline at::Tensor merge_chunks(const at::Tensor& m, const at::Tensor& l, const at::Tensor& acc, int64_t h) {
+  const int64_t B = m.size(0), groups = m.size(1), chunks = m.size(2), lanes = m.size(3), rank = acc.size(4);
+  at::Tensor out = at::empty({B, h, rank}, acc.options());
+  const float* mptr = m.data_ptr<float>();
+  const float* lptr = l.data_ptr<float>();
+  const float* aptr = acc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * h, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t bj = r0; bj < r1; ++bj) {
+      const int64_t b = bj / h, j = bj % h, g = j / lanes, lane = j % lanes;
+      const int64_t base = (b * groups + g) * chunks;
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < chunks; ++c) M = std::max(M, mptr[(base + c) * lanes + lane]);
+      const float Ms = std::isinf(M) ? 0.f : M;
+      float L = 0.f;
+      float* o = op + bj * rank;
+      for (int64_t d = 0; d < rank; ++d) o[d] = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float mc = mptr[(base + c) * lanes + lane];
+        const float wgt = std::isinf(mc) ? 0.f : std::exp(mc - Ms);
+        if (wgt == 0.f) continue;
+        L += wgt * lptr[(base + c) * lanes + lane];
+        const float* a = aptr + ((base + c) * lanes + lane) * rank;
+        for (int64_t d = 0; d < rank; ++d) o[d] += wgt * a[d];
+      }
+      const float inv = L > 0.f ? 1.f / L : 0.f;
+      for (int64_t d = 0; d < rank; ++d) o[d] *= inv;
+    }
+  });
+  return out;
+}
+
+}  // namespace transmla_latent
