@@ -24,24 +24,6 @@ namespace {
 
 constexpr int64_t kChunk = 256;  // keys per work item
 
-// e^x for x in [-88, 0] (callers clamp): 2^n e^f, |f| <= ln2 / 2, degree-6 polynomial (rel. error ~2e-7)
-inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 // the eight horizontal sums of a[0..7], in order
 inline __m256 hsum8(const __m256* a) {
   const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -112,7 +94,7 @@ void chunk(const float* qg, int64_t E, const float* lat, int64_t row_stride, int
     const __m256 safe = _mm256_blendv_ps(vmax[v], _mm256_setzero_ps(), _mm256_cmp_ps(vmax[v], ninf, _CMP_EQ_OQ));
     __m256 vsum = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; ++i) {
-      const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + i * 16 + 8 * v), safe));
+      const __m256 p = transmla_latent::exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + i * 16 + 8 * v), safe));
       _mm256_storeu_ps(sc + i * 16 + 8 * v, p);
       vsum = _mm256_add_ps(vsum, p);
     }
