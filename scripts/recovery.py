@@ -152,7 +152,8 @@ def main() -> None:
                 **ppl(load_model(r["out"], dtype="float32")[0])}
             if "layerwise" in row:
                 sched = row["layerwise"].get("schedule", "constant")
-                row["label"] += (f", after layer-wise distillation ({row['layerwise']['epochs']:g} pass per layer"
+                row["label"] += (f", after layer-wise distillation ({row['layerwise']['epochs']:g} "
+                                 f"{'pass' if row['layerwise']['epochs'] == 1 else 'passes'} per layer"
                                  + (f", {sched} lr" if sched != "constant" else "") + ", "
                                  f"{row['layerwise']['seconds']:.0f} s; held-out attention error, mean over layers, "
                                  f"{row['layerwise']['attn_err_before']:.3f} -> {row['layerwise']['attn_err_after']:.3f}; "
