@@ -15,7 +15,8 @@ token steps are timed (synchronised):
 
 A graph replays the captured step (same cache slot, same length): the work of one decode step at
 that context. Roofline: the step's bytes (`throughput.step_bytes`: weights once + the batch's KV
-cache) over the measured copy bandwidth. At the last context the largest batch that fits is
+cache) over the measured copy bandwidth; the compute floor (`throughput.step_flops` over the
+measured matmul peak) beside it. At the last context the largest batch that fits is
 measured for the original's best and absorb's best. Results are appended to a JSON lines file as
 they come, so a run cut short keeps what it measured.
 
@@ -154,7 +155,8 @@ def time_steps(model, backend: str, cache, nxt, context: int, *, graph: bool, st
     return times[len(times) // 2], times[0], times[-1]
 
 
-def cell(model, backend, context, batch, *, graph, kernel, steps, warmup, bandwidth, extra=None, compile_=False):
+def cell(model, backend, context, batch, *, graph, kernel, steps, warmup, bandwidth, flops=None, extra=None,
+         compile_=False):
     """One measured cell as a flat dict (error recorded instead of raised). compile_: the step runs
     through torch.compile (absorb: the Triton kernel is the opaque custom op transmla::latent_decode)."""
     row = dict(backend=backend, graph=graph, kernel=kernel, context=context, batch=batch, model_type=model.config.model_type,
@@ -177,11 +179,14 @@ def cell(model, backend, context, batch, *, graph, kernel, steps, warmup, bandwi
                                  compiled=compiled)
         if compile_:
             row["compile_and_time_s"] = round(time.perf_counter() - t0, 1)
-        roof = throughput.step_bytes(model, "absorb" if backend == "absorb" else ("static" if backend == "static" else "hf"),
-                                     context, batch)
+        kind = "absorb" if backend == "absorb" else ("static" if backend == "static" else "hf")
+        roof = throughput.step_bytes(model, kind, context, batch)
         row.update(ms=1e3 * med, ms_min=1e3 * lo, ms_max=1e3 * hi, tokens_per_s=batch / med, **roof)
         if bandwidth:
             row.update(bound_ms=1e3 * roof["step_bytes"] / bandwidth, x_of_bound=med * bandwidth / roof["step_bytes"])
+        if flops:  # the compute floor: the step's operations over the measured matmul peak
+            work = throughput.step_flops(model, kind, context, batch)
+            row.update(**work, compute_floor_ms=1e3 * work["step_flops"] / flops)
         if torch.cuda.is_available():
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     except Exception as e:  # noqa: BLE001 - a benchmark records what failed and goes on
@@ -449,6 +454,7 @@ def main(argv=None) -> int:
                 device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", dtype=a.dtype)
     bw = throughput.memory_bandwidth(dev, nbytes=(2 << 30) if dev.type == "cuda" else (1 << 28))
     info["bandwidth_bytes_per_s"] = bw["bytes_per_s"]
+    info["flops_per_s"] = throughput.peak_flops(dev, dtype, n=4096 if dev.type == "cuda" else 1024)["flops_per_s"]
 
     def emit(row):
         row = {"shape": a.shape, **row}
@@ -478,7 +484,7 @@ def main(argv=None) -> int:
             name, ctx, b = spec.split(":")
             profile_step(model, name.split("-")[1], int(ctx), int(b), emit)
         return 0
-    common = dict(steps=a.steps, warmup=a.warmup, bandwidth=bw["bytes_per_s"])
+    common = dict(steps=a.steps, warmup=a.warmup, bandwidth=bw["bytes_per_s"], flops=info["flops_per_s"])
     best = {}
     with torch.inference_mode():
         for which in ("original", "mla"):

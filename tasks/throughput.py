@@ -25,7 +25,8 @@ from prefect.cache_policies import NO_CACHE
 
 from transmla.io.sources import load_model
 from transmla.runtime.absorb import enable_absorb
-from transmla.runtime.throughput import GIB, decode_step, kv_bytes_per_token, kv_capacity_tokens, measure, memory_bandwidth
+from transmla.runtime.throughput import (GIB, decode_step, kv_bytes_per_token, kv_capacity_tokens, measure, memory_bandwidth,
+                                         peak_flops)
 
 from .artifacts import cached_task, save_json
 from .figures import _plt, _save
@@ -65,15 +66,16 @@ def median_row(rows: list[dict]) -> dict:
 def throughput(original: dict, converted: dict, contexts: list[int], batch: int, steps: int,
                full_contexts: list[int], threads: int | None, cache_memory_gib: float, device: str = "cpu",
                repeats: int = 3, packed_weights: bool = False, compiled_decode: bool = False) -> dict:
-    """-> ref to {"decode": [rows], "full": [rows], "kv": {...}, "bandwidth": {...}} for every run."""
+    """-> ref to {"decode": [rows], "full": [rows], "kv": {...}, "bandwidth": {...}, "compute": {...}} for every run."""
     from tqdm.auto import tqdm
 
     models = {"original": load_model(original["path"], device=device)[0],
               "converted": load_model(converted["path"], device=device)[0]}
     bandwidth = memory_bandwidth(device)
+    compute = peak_flops(device, next(models["converted"].parameters()).dtype, threads=threads)
     # the paper runs first: their peak RSS then holds the models, not what compiling leaves resident
     plan = [("full", c, run) for c in full_contexts for run in FULL_RUNS] + [("decode", c, run) for c in contexts for run in RUNS]
-    out = {"decode": [], "full": [], "bandwidth": bandwidth}
+    out = {"decode": [], "full": [], "bandwidth": bandwidth, "compute": compute}
     # one GEMM kernel for every packed run, chosen by measurement on the first one's weights: the speedups
     # compare the same kernel (chosen per model, noise could pick two for a tiny model's near-equal timings)
     gemm = "auto"
@@ -92,7 +94,7 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
         m = models[which]
         if kind == "decode":
             row = median_row([decode_step(m, backend, context, batch, steps=steps, threads=threads, seed=i,
-                                          bandwidth=bandwidth["bytes_per_s"],
+                                          bandwidth=bandwidth["bytes_per_s"], flops=compute["flops_per_s"],
                                           packed_weights=packed_weights and label in PACKED_RUNS,
                                           compiled=compiled_decode and label in COMPILED_RUNS, gemm=gemm)
                               for i in range(repeats)])
@@ -210,6 +212,24 @@ def table(result: dict, title: str) -> str:
         base = best_original_ms(by, c)
         sp = [f"{base / dec[(r, c)]['time_per_output_token_ms']:.2f}x" if base and (r, c) in dec else "-" for r in others]
         lines.append(f"| {c:,} | " + " | ".join(cells) + " | " + " | ".join(sp) + " |")
+    roof = [r for r in result["decode"] if r.get("compute_floor_ms") and r.get("bound_ms")]
+    if roof:
+        peak = result.get("compute") or {}
+        lines += ["", "Roofline of each step: the bandwidth bound (weights read once + the batch's KV cache, over "
+                  "the measured bandwidth) and the compute floor (the step's multiply-adds, 2 operations each: "
+                  "linears + attention, over the measured matmul peak"
+                  + (f", {peak['flops_per_s'] / 1e9:.0f} GFLOP/s in {peak['dtype']} on {peak['threads']} threads, an "
+                     f"{peak['n']}^3 matmul, best of {peak['repeats']}" if peak else "")
+                  + "). Where the two are close, a step near either needs its memory reads and its arithmetic to "
+                  "overlap almost perfectly.", "",
+                  "| context | run | bandwidth bound ms (weights + KV) | compute floor ms (linears + attention) | "
+                  "measured ms | x of bandwidth bound | x of the larger |", "|---:|---|---:|---:|---:|---:|---:|"]
+        for r in sorted(roof, key=lambda r: (r["context"], runs.index(r["run"]) if r["run"] in runs else 0)):
+            bw_ms = r["bound_ms"]
+            w_ms = bw_ms * r["weight_bytes"] / r["step_bytes"]
+            lines.append(f"| {r['context']:,} | {r['run']} | {bw_ms:.1f} ({w_ms:.1f} + {bw_ms - w_ms:.1f}) | "
+                         f"{r['compute_floor_ms']:.1f} ({r['linear_floor_ms']:.1f} + {r['attention_floor_ms']:.1f}) | "
+                         f"{r['time_per_output_token_ms']:.0f} | {r['x_of_bound']:.1f}x | {r['x_of_roofline']:.1f}x |")
     if result["full"]:
         lines += ["", "Paper protocol (input = output = context / 2, greedy, no EOS stop): output tokens/s over "
                   "prefill + decode, time per output token, prefill seconds, peak RSS of the process.", "",

@@ -358,6 +358,34 @@ def test_roofline_bytes(tiny_pair):
     assert bw["bytes_per_s"] > 0 and bw["best_bytes_per_s"] >= bw["bytes_per_s"]
 
 
+def test_roofline_flops(tiny_pair):
+    """The compute floor counts 2 operations per multiply-add: every weight matrix once per row of the
+    batch, and per layer, query head and cached token the attention's dot products (GQA: keys and values
+    of head_dim; absorbed MLA: scores over the whole latent, values over its first kv_lora_rank dims)."""
+    from transmla.runtime.throughput import peak_flops, step_flops
+
+    orig, _ = load_model(str(tiny_pair("qwen2")[0]))  # untied embeddings: the input table is not a matmul
+    cfg = orig.config
+    B, T = 3, 100
+    mats = sum(p.numel() for p in orig.parameters() if p.dim() >= 2) - orig.get_input_embeddings().weight.numel()
+    d = cfg.hidden_size // cfg.num_attention_heads
+    attn = 2 * B * T * cfg.num_attention_heads * 2 * d * cfg.num_hidden_layers
+    assert step_flops(orig, "hf", T, B) == {"linear_flops": 2 * B * mats, "attention_flops": attn,
+                                            "step_flops": 2 * B * mats + attn}
+    mla = tiny_pair("qwen2")[1]
+    cfg = mla.config
+    with absorbed(mla, fold=False):
+        f = step_flops(mla, "absorb", T, B)
+    per_key = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
+    assert f["attention_flops"] == 2 * B * T * cfg.num_attention_heads * per_key * cfg.num_hidden_layers
+    # unfolded absorption keeps the matrices' sizes (W_UK, W_UV replace kv_b_proj), so the linear work too
+    assert f["linear_flops"] == step_flops(mla, "hf", T, B)["linear_flops"]
+    with pytest.raises(TransMLAError):
+        step_flops(mla, "paged", T, B)
+    peak = peak_flops(n=128, repeats=3, threads=1)
+    assert peak["flops_per_s"] > 0 and peak["threads"] == 1 and peak["dtype"] == "float32"
+
+
 def _packed_kernels():
     from transmla.runtime import packed
 

@@ -378,6 +378,9 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
         lo, hi = r["time_per_output_token_range_ms"]
         assert r["repeats"] == 2 and lo <= r["time_per_output_token_ms"] <= hi
         assert r["x_of_bound"] == pytest.approx(r["time_per_output_token_ms"] / r["bound_ms"])
+        assert r["compute_floor_ms"] == pytest.approx(r["linear_floor_ms"] + r["attention_floor_ms"])
+        assert r["x_of_roofline"] == pytest.approx(r["time_per_output_token_ms"]
+                                                   / max(r["bound_ms"], r["compute_floor_ms"]))
         assert r["bandwidth_bytes_per_s"] == result["bandwidth"]["bytes_per_s"] > 0
         # the best forms: original static on packed weights, converted absorb compiled (inductor packs its
         # weights itself); the stock defaults neither
@@ -398,6 +401,7 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
     md = (out / "throughput.md").read_text()
     assert "| 32 |" in md and "speedup converted absorb" in md and "vLLM serving check: **skipped**" in md
     assert "x bound)" in md and "GB/s" in md and "original static" in md
+    assert "| compute floor ms (linears + attention) |" in md and "GFLOP/s" in md
     assert ("original static: every linear layer" in md) is packable
     if packable:  # the text says what the chosen kernel does: stream reads the stock weights, the others pack
         chosen = {r["gemm"] for r in result["decode"] if r["gemm"]}

@@ -14,6 +14,11 @@ Roofline: a decode step must read every weight once and the whole KV cache of th
 machine's measured copy bandwidth (`memory_bandwidth`) that is a lower bound on its time
 (`step_bytes`), reported next to each measured step as "x of the bound".
 
+Compute floor: the step's floating-point operations (`step_flops`) over the machine's measured
+matmul peak (`peak_flops`). On a CPU with few cores the two floors can be close (SmolLM2 at batch 8
+on 2 Zen 4 cores at 4K: 14.5 and 17.9 ms in one run), and then a step near the bandwidth bound needs its loads and
+its arithmetic to overlap almost perfectly, at near-peak arithmetic; the reports show both.
+
 Timings synchronise the model's device before every clock read (`synchronize`): on a GPU an
 unsynchronised clock measures kernel launches, not kernels.
 
@@ -183,12 +188,12 @@ def processor_name(device="cpu") -> str:
     return f"{name}, {os.cpu_count()} cores{', AVX-512' if avx512 else (', no AVX-512' if flags else '')}"
 
 
-def weight_bytes_per_step(model) -> int:
-    """Bytes of weights one decode step reads: every parameter and absorbed buffer once, except the input
+def step_weights(model) -> list[torch.Tensor]:
+    """The weights one decode step reads, each once: every parameter and absorbed buffer, except the input
     embedding table (a step reads B of its rows) unless it is also the output head (tied), and except
     what an absorbed attention layer replaced by its precomputed matrices (kv_b_proj always; the query
     projection or o_proj's weight when folded)."""
-    seen, total = set(), 0
+    seen, out = set(), []
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight if model.get_output_embeddings() is not None else None
     skip = set()
@@ -205,8 +210,13 @@ def weight_bytes_per_step(model) -> int:
         if t.data_ptr() in seen or t.data_ptr() in skip:
             continue
         seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total
+        out.append(t)
+    return out
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights one decode step reads (`step_weights`)."""
+    return sum(t.numel() * t.element_size() for t in step_weights(model))
 
 
 def step_bytes(model, backend: str, context: int, batch: int) -> dict:
@@ -215,6 +225,60 @@ def step_bytes(model, backend: str, context: int, batch: int) -> dict:
     kv = batch * context * kv_bytes_per_token(model.config, "hf" if backend == "static" else backend, dtype)
     w = weight_bytes_per_step(model)
     return {"weight_bytes": w, "kv_bytes": kv, "step_bytes": w + kv}
+
+
+def step_flops(model, backend: str, context: int, batch: int) -> dict:
+    """Floating-point operations of one decode step at `context` cached tokens (multiply + add = 2):
+
+    linear      2 B * (elements of every matrix in `step_weights`; vectors such as norms are elementwise)
+    attention   per layer and query head, over the context: GQA (original) 2 B T (head_dim + head_dim);
+                absorb 2 B T ((kv_lora_rank + qk_rope_head_dim) + kv_lora_rank), the scores over the whole
+                latent and the values over its first kv_lora_rank dims; DeepseekV3 "hf" 2 B T (qk_nope +
+                qk_rope + v) plus, where transformers caches the latent, its re-expansion by kv_b_proj
+                (2 B T kv_lora_rank heads (qk_nope + v)) every step.
+    Softmax and the elementwise work are left out: a floor, not an estimate."""
+    _check_backend(backend)
+    config = model.config
+    linear = 2 * batch * sum(t.numel() for t in step_weights(model) if t.dim() >= 2)
+    h, T = config.num_attention_heads, context
+    if not is_mla(config):
+        d = getattr(config, "head_dim", None) or config.hidden_size // h
+        per_key = 2 * d
+    elif backend == "absorb":
+        per_key = (config.kv_lora_rank + config.qk_rope_head_dim) + config.kv_lora_rank
+    else:
+        per_key = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
+        if hf_mla_cache_layout() == "latent":
+            per_key += config.kv_lora_rank * (config.qk_nope_head_dim + config.v_head_dim)
+    attention = 2 * batch * T * h * per_key * config.num_hidden_layers
+    return {"linear_flops": linear, "attention_flops": attention, "step_flops": linear + attention}
+
+
+def peak_flops(device="cpu", dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 5,
+               threads: int | None = None) -> dict:
+    """Measured compute peak of `device` in `dtype`: an n x n x n matmul (2 n^3 operations; the BLAS's best
+    case, so a floor for the skinny products of decode), the best of `repeats` after one warm-up (a peak:
+    a busy moment of a shared host only lowers it), on `threads` CPU threads (default: `default_threads`,
+    as the decode measurements)."""
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or default_threads())
+    try:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        a @ b
+        times = []
+        for _ in range(repeats):
+            synchronize(device)
+            t = time.perf_counter()
+            a @ b
+            synchronize(device)
+            times.append(time.perf_counter() - t)
+        used = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(old_threads)
+    times.sort()
+    return {"device": str(torch.device(device)), "dtype": str(dtype).removeprefix("torch."), "n": n,
+            "repeats": repeats, "flops_per_s": 2 * n**3 / times[0], "threads": used}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -408,6 +472,7 @@ def decode_step(
     vocab_size: int | None = None,
     seed: int = 0,
     bandwidth: float | None = None,
+    flops: float | None = None,
     packed_weights: bool = False,
     compiled: bool = False,
     gemm: str = "auto",
@@ -420,7 +485,9 @@ def decode_step(
 
     backend "static": the prefilled sequence is copied into a preallocated StaticCache of `batch` rows
     (the original's best stock decode). `bandwidth` (bytes/s, `memory_bandwidth`): adds the roofline,
-    the step's bytes (`step_bytes`) over it and the measured median as a multiple of that bound.
+    the step's bytes (`step_bytes`) over it and the measured median as a multiple of that bound. `flops`
+    (operations/s, `peak_flops`): the compute floor too, the step's operations (`step_flops`) over it, and
+    the median as a multiple of the larger of the two (the roofline).
     `packed_weights`: every linear layer on weights prepacked for the batch (`runtime.packed`; CPU
     float32 only, ignored elsewhere; the row records whether it applied). `compiled` (backend "absorb"
     only): the steps run as one torch.compile graph over a static latent cache (`runtime.compiled_decode`,
@@ -506,6 +573,7 @@ def decode_step(
             length = int(cache.get_seq_length())
             kv_measured = cache_nbytes(cache) / (batch * length)
             roof = step_bytes(model, backend, context, batch)
+            work = step_flops(model, backend, context, batch)
             del out, cache
     finally:
         torch.set_num_threads(old_threads)
@@ -543,6 +611,12 @@ def decode_step(
         row["bandwidth_bytes_per_s"] = bandwidth
         row["bound_ms"] = 1e3 * roof["step_bytes"] / bandwidth
         row["x_of_bound"] = 1e3 * median / row["bound_ms"]
+    if flops:
+        row.update(work, flops_per_s=flops, compute_floor_ms=1e3 * work["step_flops"] / flops,
+                   linear_floor_ms=1e3 * work["linear_flops"] / flops,
+                   attention_floor_ms=1e3 * work["attention_flops"] / flops)
+        if bandwidth:
+            row["x_of_roofline"] = 1e3 * median / max(row["bound_ms"], row["compute_floor_ms"])
     return row
 
 
