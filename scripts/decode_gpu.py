@@ -180,13 +180,8 @@ def cell(model, backend, context, batch, *, graph, kernel, steps, warmup, bandwi
         if compile_:
             row["compile_and_time_s"] = round(time.perf_counter() - t0, 1)
         kind = "absorb" if backend == "absorb" else ("static" if backend == "static" else "hf")
-        roof = throughput.step_bytes(model, kind, context, batch)
-        row.update(ms=1e3 * med, ms_min=1e3 * lo, ms_max=1e3 * hi, tokens_per_s=batch / med, **roof)
-        if bandwidth:
-            row.update(bound_ms=1e3 * roof["step_bytes"] / bandwidth, x_of_bound=med * bandwidth / roof["step_bytes"])
-        if flops:  # the compute floor: the step's operations over the measured matmul peak
-            work = throughput.step_flops(model, kind, context, batch)
-            row.update(**work, compute_floor_ms=1e3 * work["step_flops"] / flops)
+        row.update(ms=1e3 * med, ms_min=1e3 * lo, ms_max=1e3 * hi, tokens_per_s=batch / med,
+                   **throughput.roofline(model, kind, context, batch, med, bandwidth=bandwidth, flops=flops))
         if torch.cuda.is_available():
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     except Exception as e:  # noqa: BLE001 - a benchmark records what failed and goes on

@@ -254,6 +254,29 @@ def step_flops(model, backend: str, context: int, batch: int) -> dict:
     return {"linear_flops": linear, "attention_flops": attention, "step_flops": linear + attention}
 
 
+def roofline(model, backend: str, context: int, batch: int, seconds: float, *, bandwidth: float | None = None,
+             flops: float | None = None) -> dict:
+    """A measured step time (`seconds`) against what the step must do: its bytes (`step_bytes`) and, given
+    the measured `bandwidth` (bytes/s), the bandwidth bound `bound_ms` and the time as `x_of_bound`; its
+    operations (`step_flops`) and, given the measured `flops` (operations/s), the compute floor
+    (`compute_floor_ms`, split into `linear_floor_ms` and `attention_floor_ms`); with both, the time as a
+    multiple of the larger of the two, `x_of_roofline`. Call it in the model state that was timed (absorbed
+    or not: the weights a step reads differ)."""
+    row = step_bytes(model, backend, context, batch)
+    work = step_flops(model, backend, context, batch)
+    row.update(work)
+    if bandwidth:
+        row.update(bandwidth_bytes_per_s=bandwidth, bound_ms=1e3 * row["step_bytes"] / bandwidth,
+                   x_of_bound=seconds * bandwidth / row["step_bytes"])
+    if flops:
+        row.update(flops_per_s=flops, compute_floor_ms=1e3 * work["step_flops"] / flops,
+                   linear_floor_ms=1e3 * work["linear_flops"] / flops,
+                   attention_floor_ms=1e3 * work["attention_flops"] / flops)
+        if bandwidth:
+            row["x_of_roofline"] = 1e3 * seconds / max(row["bound_ms"], row["compute_floor_ms"])
+    return row
+
+
 def peak_flops(device="cpu", dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 5,
                threads: int | None = None) -> dict:
     """Measured compute peak of `device` in `dtype`: an n x n x n matmul (2 n^3 operations; the BLAS's best
@@ -572,12 +595,11 @@ def decode_step(
                     compile_s = time.perf_counter() - t
             length = int(cache.get_seq_length())
             kv_measured = cache_nbytes(cache) / (batch * length)
-            roof = step_bytes(model, backend, context, batch)
-            work = step_flops(model, backend, context, batch)
+            times.sort()
+            roof = roofline(model, backend, context, batch, times[len(times) // 2], bandwidth=bandwidth, flops=flops)
             del out, cache
     finally:
         torch.set_num_threads(old_threads)
-    times.sort()
     median = times[len(times) // 2]
     row = {
         "backend": backend,
@@ -607,16 +629,6 @@ def decode_step(
         "kv_bytes_per_token_measured": kv_measured,
         **roof,
     }
-    if bandwidth:
-        row["bandwidth_bytes_per_s"] = bandwidth
-        row["bound_ms"] = 1e3 * roof["step_bytes"] / bandwidth
-        row["x_of_bound"] = 1e3 * median / row["bound_ms"]
-    if flops:
-        row.update(work, flops_per_s=flops, compute_floor_ms=1e3 * work["step_flops"] / flops,
-                   linear_floor_ms=1e3 * work["linear_flops"] / flops,
-                   attention_floor_ms=1e3 * work["attention_flops"] / flops)
-        if bandwidth:
-            row["x_of_roofline"] = 1e3 * median / max(row["bound_ms"], row["compute_floor_ms"])
     return row
 
 
