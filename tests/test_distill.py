@@ -62,3 +62,30 @@ def test_kd_objective_needs_a_teacher():
         recovery_loss(h, w, ids, "kd")
     with pytest.raises(ValueError, match="objective"):
         recovery_loss(h, w, ids, "mse")
+
+
+@pytest.mark.parametrize("objective", ["lm", "kd+lm"])
+def test_gradients_scale_with_the_outer_loss_and_skip_a_frozen_head(objective):
+    # the gradients are taken to h and w in the forward pass (_FusedHeadLoss): backward must still scale
+    # them by the incoming gradient (Trainer divides by grad_accum; other terms add to the loss) and give
+    # none to a head that is not trained (finetune mode "attention")
+    h, w, ids, th, tw = _case(seed=3)
+    w.requires_grad_(False)
+    loss, _ = recovery_loss(h, w, ids, objective, th, tw, tau=1.0, chunk=4)
+    (gh,) = torch.autograd.grad(0.25 * loss + (h**2).sum(), (h,))
+    lm, kd = _direct(h, w, ids, th, tw, 1.0)
+    ref = lm if objective == "lm" else kd + lm
+    (rh,) = torch.autograd.grad(0.25 * ref + (h**2).sum(), (h,))
+    assert torch.allclose(gh, rh, atol=1e-6)
+
+
+def test_cpu_chunks_keep_logits_under_the_mmap_threshold():
+    from transmla.training.distill import CPU_CHUNK_BYTES, chunk_positions
+
+    for vocab in (49_152, 151_936, 11):
+        c = chunk_positions(1024, vocab, "cpu")
+        assert c % 16 == 0 or c == 1024
+        assert c * vocab * 4 <= CPU_CHUNK_BYTES or c == 16
+        assert c == 1024 or (c + 16) * vocab * 4 > CPU_CHUNK_BYTES  # the largest such multiple of 16
+    assert chunk_positions(1024, 11, "cpu") == 1024 and chunk_positions(8, 49_152, "cpu") == 8  # a ceiling
+    assert chunk_positions(1024, 151_936, "cuda") == 1024  # the caching allocator has no such cost
