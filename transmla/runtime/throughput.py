@@ -596,11 +596,11 @@ def decode_step(
             length = int(cache.get_seq_length())
             kv_measured = cache_nbytes(cache) / (batch * length)
             times.sort()
-            roof = roofline(model, backend, context, batch, times[len(times) // 2], bandwidth=bandwidth, flops=flops)
+            median = times[len(times) // 2]
+            roof = roofline(model, backend, context, batch, median, bandwidth=bandwidth, flops=flops)
             del out, cache
     finally:
         torch.set_num_threads(old_threads)
-    median = times[len(times) // 2]
     row = {
         "backend": backend,
         "model_type": config.model_type,

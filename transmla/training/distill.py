@@ -147,16 +147,15 @@ class _FusedHeadLoss(torch.autograd.Function):
                 g_w.addmm_(g.T.to(dt), hc.to(dt))
             del s, g
         ctx.save_for_backward(g_h, g_w)
-        ctx.want, ctx.w_dtype = (want_h, want_w), w.dtype
+        ctx.w_dtype = w.dtype
         ctx.mark_non_differentiable(lm_sum, kd_sum)
         loss = (lm_coef * lm_sum + kd_coef * kd_sum).to(dt)
         return loss, lm_sum, kd_sum
 
     @staticmethod
     def backward(ctx, grad, _lm, _kd):
-        g_h, g_w = ctx.saved_tensors
-        want_h, want_w = ctx.want
-        return (g_h * grad.to(g_h.dtype) if want_h else None, (g_w * grad).to(ctx.w_dtype) if want_w else None,
+        g_h, g_w = ctx.saved_tensors  # None where that input needs no gradient
+        return (None if g_h is None else g_h * grad.to(g_h.dtype), None if g_w is None else (g_w * grad).to(ctx.w_dtype),
                 *[None] * 9)
 
 
