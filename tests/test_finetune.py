@@ -543,3 +543,26 @@ def test_layerwise_distillation_needs_the_teacher(converted, blocks, tmp_path):
     with pytest.raises(TransMLAError, match="layerwise_epochs"):
         finetune(model, blocks[0], blocks[1], _cfg(layerwise_epochs=1), str(tmp_path))
     assert not (tmp_path / "layerwise.json").exists()
+
+
+def test_epochs_pass_over_the_budgets_blocks_each_once_per_epoch(converted, blocks, tmp_path):
+    """max_tokens picks the distinct blocks (the seeded order's first); epochs = passes over them: every
+    one of them is trained on exactly `epochs` times, no other block ever."""
+    from collections import Counter
+
+    cfg = _cfg(max_tokens=4 * 4 * 64, epochs=2, eval_every=8)
+    assert cfg.max_steps == 8 and cfg.train_blocks(len(blocks[0])) == 16 < len(blocks[0])
+    assert _cfg(max_tokens=4 * 4 * 64, epochs=0.5).max_steps == 2
+    model, _ = load_model(str(converted))
+    seen = Counter()
+
+    def record_rows(module, args):
+        if module.training:
+            seen.update(tuple(r) for r in args[0].tolist())
+
+    model.model.embed_tokens.register_forward_pre_hook(record_rows)
+    record = finetune(model, blocks[0], blocks[1], cfg, str(tmp_path / "w"))
+    assert record["steps"] == 8 and record["tokens_trained"] == 2 * record["distinct_tokens"] == 2 * 16 * 64
+    assert seen == Counter({tuple(r): 2 for r in blocks[0][:16].tolist()})
+    with pytest.raises(TransMLAError, match="epochs"):
+        _cfg(epochs=0)

@@ -21,7 +21,8 @@ SOURCE_HELP = f"model source (default {DEFAULT_SOURCE}); {SYNTAX_HELP}"
 CO, EV = ConvertOptions.model_fields, EvaluationOptions.model_fields
 FINETUNE_HELP = {
     "mode": "full: every weight; attention: only the MLA projections",
-    "max_tokens": "training tokens",
+    "max_tokens": "distinct training tokens (the first blocks of the seeded order)",
+    "epochs": "passes over the --max-tokens training tokens, reshuffled each pass (fractions allowed)",
     "schedule": "learning-rate schedule, with linear warmup",
     "attention_lr_scale": "learning rate of the MLA projections as a multiple of --lr (the rest keeps --lr)",
     "val_tokens": "held-out tokens for the validation loss",

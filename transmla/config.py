@@ -228,7 +228,10 @@ class FinetuneConfig(Options):
     """What defines a fine-tune run (CPU-sized defaults: 30 steps of 8 x 512 tokens)."""
 
     mode: Literal["full", "attention"] = "full"
-    max_tokens: int = Field(122_880, ge=1)  # training tokens (steps = ceil(max_tokens / (batch * accum * seqlen)))
+    max_tokens: int = Field(122_880, ge=1)  # distinct training tokens: the first ceil(max_tokens / seqlen) blocks
+    # passes over those blocks, reshuffled each pass (steps = ceil(epochs * max_tokens / (batch * accum * seqlen))):
+    # a small budget of text seen several times, as distillation can use it (fractions allowed)
+    epochs: float = Field(1.0, gt=0)
     seqlen: int = Field(512, ge=2)
     batch_size: int = Field(8, ge=1)  # per device
     grad_accum: int = Field(1, ge=1)
@@ -288,7 +291,13 @@ class FinetuneConfig(Options):
 
     @property
     def max_steps(self) -> int:
-        return max(1, -(-self.max_tokens // self.tokens_per_step))
+        import math
+
+        return max(1, math.ceil(self.epochs * self.max_tokens / self.tokens_per_step))
+
+    def train_blocks(self, available: int) -> int:
+        """Blocks the run trains on, of `available`: those holding its max_tokens distinct tokens."""
+        return min(available, -(-self.max_tokens // self.seqlen))
 
 
 class EvaluationOptions(Options):

@@ -30,7 +30,6 @@ its own forward does.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 OBJECTIVES = ("lm", "kd", "kd+lm")
 CPU_CHUNK_BYTES = 32 << 20  # glibc's largest mmap threshold: logits chunks below it reuse freed heap
@@ -46,21 +45,6 @@ def chunk_positions(chunk: int, vocab: int, device) -> int:
 
 def _softcap(z: torch.Tensor, cap: float | None) -> torch.Tensor:
     return z if cap is None else torch.tanh(z / cap) * cap
-
-
-def _chunk_sums(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, t_h: torch.Tensor | None,
-                t_w: torch.Tensor | None, tau: float, cap: float | None = None,
-                t_cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed (lm, kd) over one chunk. h [n, D], w [V, D], labels [n], t_h [n, Dt] (no grad), t_w [V, Dt];
-    cap / t_cap: the student's / teacher's final logit soft-capping (None: none)."""
-    s = _softcap((h @ w.T).float(), cap)  # [n, V]
-    lm = F.cross_entropy(s, labels, reduction="sum")
-    if t_h is None:
-        return lm, s.new_zeros(())
-    with torch.no_grad():
-        t_logp = F.log_softmax(_softcap((t_h @ t_w.T).float(), t_cap) / tau, -1)
-    kd = F.kl_div(F.log_softmax(s / tau, -1), t_logp, log_target=True, reduction="sum") * tau**2
-    return lm, kd
 
 
 def recovery_loss(hidden: torch.Tensor, head: torch.Tensor, input_ids: torch.Tensor, objective: str = "lm",
@@ -88,20 +72,60 @@ def recovery_loss(hidden: torch.Tensor, head: torch.Tensor, input_ids: torch.Ten
     t_w = teacher_head.detach() if use_kd else None
     n = max(len(y), 1)
     chunk = chunk_positions(chunk, head.shape[0], head.device)
+    lm_coef, kd_coef = {"lm": (1.0, 0.0), "kd": (0.0, 1.0), "kd+lm": (1.0, kd_weight)}[objective]
     if torch.is_grad_enabled() and (h.requires_grad or head.requires_grad):
-        lm_coef, kd_coef = {"lm": (1.0, 0.0), "kd": (0.0, 1.0), "kd+lm": (1.0, kd_weight)}[objective]
         loss, lm, kd = _FusedHeadLoss.apply(h, head, y, t_h, t_w, tau, lm_coef / n, kd_coef / n, chunk, softcap,
                                             teacher_softcap)
-        return loss, {"lm": lm.item() / n, "kd": kd.item() / n if use_kd else None}
-    lm = kd = hidden.new_zeros((), dtype=torch.float32)
+    else:  # evaluation: the same sums, no gradients
+        lm, kd, _, _ = head_loss_sums(h, head, y, t_h, t_w, tau, 0.0, 0.0, chunk, softcap, teacher_softcap)
+        loss = (lm_coef * lm + kd_coef * kd).float() / n
+    return loss, {"lm": lm.item() / n, "kd": kd.item() / n if use_kd else None}
+
+
+def head_loss_sums(h, w, y, t_h, t_w, tau: float, lm_coef: float, kd_coef: float, chunk: int, cap: float | None,
+                   t_cap: float | None, want_h: bool = False, want_w: bool = False):
+    """Summed cross-entropy and summed tau^2 KL (float64) over the chunks of h [N, D] through the head
+    w [V, D] (labels y [N]; teacher t_h [N, Dt], t_w [V, Dt], or None), and, where wanted, the gradients
+    of lm_coef * lm + kd_coef * kd with respect to h and w, accumulated chunk by chunk in closed form
+    (module docstring). Returns (lm_sum, kd_sum, g_h or None, g_w or None)."""
+    dt = torch.promote_types(h.dtype, torch.float32)  # the softmax in float32 at least
+    grads = want_h or want_w
+    g_h = torch.empty(h.shape, dtype=h.dtype, device=h.device) if want_h else None
+    g_w = torch.zeros(w.shape, dtype=dt, device=w.device) if want_w else None
+    lm_sum = torch.zeros((), dtype=torch.float64, device=h.device)
+    kd_sum = torch.zeros((), dtype=torch.float64, device=h.device)
     for a in range(0, len(y), chunk):
-        b = a + chunk
-        c_lm, c_kd = _chunk_sums(h[a:b], head, y[a:b], None if t_h is None else t_h[a:b], t_w, tau, softcap,
-                                 teacher_softcap)
-        lm, kd = lm + c_lm, kd + c_kd
-    lm, kd = lm / n, kd / n
-    loss = {"lm": lm, "kd": kd, "kd+lm": kd_weight * kd + lm}[objective]
-    return loss, {"lm": lm.item(), "kd": kd.item() if use_kd else None}
+        hc, yc = h[a : a + chunk], y[a : a + chunk]
+        s = _softcap((hc @ w.T).to(dt), cap)  # [n, V]
+        logp = torch.log_softmax(s, -1)
+        lm_sum += -logp.gather(1, yc[:, None]).sum(dtype=torch.float64)
+        if grads:
+            g = logp.exp_()  # softmax(s), in place of logp
+            if lm_coef:
+                g.mul_(lm_coef)
+                g[torch.arange(len(yc), device=g.device), yc] -= lm_coef
+            else:
+                g.zero_()
+        del logp
+        if t_h is not None:
+            t_logp = torch.log_softmax(_softcap((t_h[a : a + chunk] @ t_w.T).to(dt), t_cap) / tau, -1)
+            q_log = torch.log_softmax(s / tau, -1)
+            p_t = t_logp.exp()
+            kd_sum += tau**2 * (p_t * t_logp.sub_(q_log)).sum(dtype=torch.float64)
+            if grads:  # + kd_coef tau (q - p_t), with q = softmax(s / tau)
+                g.add_(q_log.exp_().sub_(p_t), alpha=kd_coef * tau)
+            del t_logp, q_log, p_t
+        if grads:
+            if cap is not None:
+                g.mul_(1 - (s / cap).square_())
+            g = g.to(h.dtype)
+            if want_h:
+                torch.matmul(g, w.to(h.dtype), out=g_h[a : a + chunk])
+            if want_w:
+                g_w.addmm_(g.T.to(dt), hc.to(dt))
+            del g
+        del s
+    return lm_sum, kd_sum, g_h, g_w
 
 
 class _FusedHeadLoss(torch.autograd.Function):
@@ -113,43 +137,12 @@ class _FusedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, w, y, t_h, t_w, tau, lm_coef, kd_coef, chunk, cap, t_cap):
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dt = torch.promote_types(h.dtype, torch.float32)  # the softmax in float32 at least
-        g_h = torch.empty(h.shape, dtype=h.dtype, device=h.device) if want_h else None
-        g_w = torch.zeros(w.shape, dtype=dt, device=w.device) if want_w else None
-        lm_sum = torch.zeros((), dtype=torch.float64, device=h.device)
-        kd_sum = torch.zeros((), dtype=torch.float64, device=h.device)
-        for a in range(0, len(y), chunk):
-            hc, yc = h[a : a + chunk], y[a : a + chunk]
-            s = _softcap((hc @ w.T).to(dt), cap)  # [n, V]
-            logp = torch.log_softmax(s, -1)
-            lm_sum += -logp.gather(1, yc[:, None]).sum(dtype=torch.float64)
-            g = logp.exp_()  # softmax(s), in place of logp
-            if lm_coef:
-                g.mul_(lm_coef)
-                g[torch.arange(len(yc), device=g.device), yc] -= lm_coef
-            else:
-                g.zero_()
-            if t_h is not None:
-                t_logp = torch.log_softmax(_softcap((t_h[a : a + chunk] @ t_w.T).to(dt), t_cap) / tau, -1)
-                q_log = torch.log_softmax(s / tau, -1)
-                p_t = t_logp.exp()
-                kd_sum += tau**2 * (p_t * t_logp.sub_(q_log)).sum(dtype=torch.float64)
-                # + kd_coef tau (q - p_t), with q = softmax(s / tau)
-                g.add_(q_log.exp_().sub_(p_t), alpha=kd_coef * tau)
-                del t_logp, q_log, p_t
-            if cap is not None:
-                g.mul_(1 - (s / cap).square_())
-            g = g.to(h.dtype)
-            if want_h:
-                torch.matmul(g, w.to(h.dtype), out=g_h[a : a + chunk])
-            if want_w:
-                g_w.addmm_(g.T.to(dt), hc.to(dt))
-            del s, g
+        lm_sum, kd_sum, g_h, g_w = head_loss_sums(h, w, y, t_h, t_w, tau, lm_coef, kd_coef, chunk, cap, t_cap,
+                                                  want_h=ctx.needs_input_grad[0], want_w=ctx.needs_input_grad[1])
         ctx.save_for_backward(g_h, g_w)
         ctx.w_dtype = w.dtype
         ctx.mark_non_differentiable(lm_sum, kd_sum)
-        loss = (lm_coef * lm_sum + kd_coef * kd_sum).to(dt)
+        loss = (lm_coef * lm_sum + kd_coef * kd_sum).to(torch.promote_types(h.dtype, torch.float32))
         return loss, lm_sum, kd_sum
 
     @staticmethod

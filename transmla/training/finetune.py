@@ -55,8 +55,8 @@ IDENTITY_MIN_SCALE = 1e4
 
 # ---------------------------------------------------------------- data
 
-def pack_corpus(tokenizer, corpora: dict[str, list[str]], seqlen: int, val_tokens: int, seed: int,
-                max_train_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def pack_corpus(tokenizer, corpora: dict[str, list[str]], seqlen: int, val_tokens: int,
+                seed: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Tokenize documents, join them with EOS, cut fixed-length blocks; a seeded held-out split by document.
 
     corpora: name -> documents. Each corpus gives the validation split its share of `val_tokens`
@@ -117,8 +117,6 @@ def pack_corpus(tokenizer, corpora: dict[str, list[str]], seqlen: int, val_token
     train = train[order]
     info.update(train_blocks=len(train), val_blocks=len(val), train_tokens_available=train.numel(),
                 val_tokens=val.numel(), seqlen=seqlen, split="by document")
-    if max_train_tokens is not None:
-        info["epochs"] = round(max_train_tokens / train.numel(), 3)
     return train, val, info
 
 
@@ -472,6 +470,8 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
         teacher_attn = teacher.config._attn_implementation
         teacher.to(getattr(torch, cfg.teacher_dtype)).eval().requires_grad_(False)
         use_causal_padded_sdpa(teacher)
+    # the budget's blocks (the seeded order's first), for both phases and every epoch
+    train = train[: cfg.train_blocks(len(train))]
     resume = last_checkpoint(work_dir)
     layerwise = _layerwise_phase(model, teacher, train, val, cfg, work_dir, resume)
     model.train()
@@ -520,6 +520,7 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
         "train_loss": mean_train_loss(history),
         "steps": trainer.state.global_step,
         "tokens_trained": trainer.state.global_step * cfg.tokens_per_step,
+        "distinct_tokens": train.numel(),
         "resumed_from": resume,
         "steps_this_run": steps_run,
         "seconds_this_run": round(seconds, 1),
@@ -544,11 +545,10 @@ def _layerwise_phase(model, teacher, train: torch.Tensor, val: torch.Tensor, cfg
         return json.loads(path.read_text())
     from transmla.training.layerwise import layerwise_distill
 
-    n = min(len(train), -(-cfg.max_tokens // cfg.seqlen))  # as many tokens as the end-to-end phase trains on
     was = {p: p.requires_grad for p in model.parameters()}
     for p in model.parameters():
         p.requires_grad_(False)
-    record = layerwise_distill(model, teacher, train[:n], val, cfg.layerwise_epochs, cfg.layerwise_lr,
+    record = layerwise_distill(model, teacher, train, val, cfg.layerwise_epochs, cfg.layerwise_lr,
                                cfg.layerwise_batch_size, seed=cfg.seed, log=_log, schedule=cfg.layerwise_schedule)
     for p, w in was.items():
         p.requires_grad_(w)
@@ -597,7 +597,7 @@ def finetune_on_corpora(model, tokenizer, corpora: dict[str, list[str]], cfg: Fi
     from pathlib import Path
 
     check_mla_model(model, cfg)
-    train, val, data = pack_corpus(tokenizer, corpora, cfg.seqlen, cfg.val_tokens, cfg.seed, cfg.max_tokens)
+    train, val, data = pack_corpus(tokenizer, corpora, cfg.seqlen, cfg.val_tokens, cfg.seed)
     record = finetune(model, train, val, cfg, str(work_dir), teacher=teacher)
     record["data"] = data
     if not is_main_process():  # several processes (DDP): every one holds the same weights, one writes them
