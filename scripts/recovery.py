@@ -16,7 +16,8 @@ Runs:
   kd_attn    kd + per-layer attention matching (--attn-weight 1); kd+lm_attn likewise
   lm_time    cross-entropy for as long as the kd run took (the teacher's forward costs time);
              lm_time_kd+lm likewise for the kd+lm run
-  kd_no_wt2  kd without WikiText-2 train in the corpora
+  kd_no_wt2  kd without WikiText-2 train in the corpora; kd+lm_no_wt2 and lm_no_wt2 likewise (the
+             objectives compared on a test set neither trained on: recovery without in-domain adaptation)
 Rows already in the JSON with the same protocol are kept (resumable); a time taken beside other work
 is not a measurement, so run it on a quiet machine.
 """
@@ -54,6 +55,8 @@ RUNS = {  # name -> (objective, corpora filter, label, more finetune flags)
     "lm_time": ("lm", None, "lm, as long as kd took", []),
     "lm_time_kd+lm": ("lm", None, "lm, as long as kd + lm took", []),
     "kd_no_wt2": ("kd", "wikitext2-train", "kd, WikiText-2 train left out", []),
+    "kd+lm_no_wt2": ("kd+lm", "wikitext2-train", "kd + lm, WikiText-2 train left out", []),
+    "lm_no_wt2": ("lm", "wikitext2-train", "lm, WikiText-2 train left out", []),
 }
 # equal-wall-time runs: name -> the teacher run whose seconds they get (at the lm run's tokens/s)
 TIMED = {"lm_time": "kd", "lm_time_kd+lm": "kd+lm"}
