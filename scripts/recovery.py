@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=FinetuneConfig().max_tokens)
     ap.add_argument("--ppl-tokens", type=int, default=32768)
     ap.add_argument("--out", default=None, help="default reports/recovery/<model>-<budget>.json")
+    ap.add_argument("--keep", default=None, help="keep each run's fine-tuned model in DIR/<run> (default: deleted)")
     ap.add_argument("finetune_args", nargs="*", help="more `transmla finetune` flags, after --")
     args = ap.parse_args()
     runs = args.runs.split(",")
@@ -121,6 +122,8 @@ def main() -> None:
     if "original" not in res:
         res["original"] = ppl(model)
     del model
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(args.checkpoint) if args.checkpoint else Path(tmp) / "converted"
         if not args.checkpoint:
@@ -144,7 +147,8 @@ def main() -> None:
                 if kd is None or lm is None:
                     raise SystemExit(f"{name} needs the lm and {TIMED[name]} runs first (--runs lm,{TIMED[name]},{name})")
                 tokens = int(kd["seconds"] * lm["tokens_per_second"])
-            r = run_cli(["finetune", "--model", str(ckpt), "--out", str(Path(tmp) / name), "--teacher", args.model,
+            r = run_cli(["finetune", "--model", str(ckpt), "--out", str(Path(args.keep or tmp) / name),
+                         "--teacher", args.model,
                          "--objective", objective, "--corpora", ",".join(corpora), "--max-tokens", str(tokens),
                          *extra, *args.finetune_args])
             row = {"run": name, "label": label, "corpora": corpora, **{k: r[k] for k in (
