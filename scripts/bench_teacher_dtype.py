@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.rounds < 2:
         ap.error("--rounds must be at least 2: the first round is warm-up and is not counted")
-    model, tok = load_model(args.model, dtype="float32", device="cpu", cache=None)
+    model, tok = load_model(args.model, dtype="float32")
     ids = tok("\n\n".join(load_texts("wikitext2-train")[:400]), return_tensors="pt").input_ids[0]
     ids = ids[: 8 * 512].view(8, 512)
     ref = None

@@ -42,12 +42,19 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--dataset", default="wikitext2-test")
     args = ap.parse_args()
-    ids = tokenize_corpus(load_model(args.models[0])[1], load_texts(args.dataset))
-    if ids.numel() < args.windows * args.seqlen:
-        raise SystemExit(f"{args.dataset} has {ids.numel()} tokens, fewer than --windows x --seqlen: lower --windows.")
-    nll = {m: nll_by_position(load_model(m)[0].eval(), ids, args.windows, args.seqlen) for m in args.models}
-    edges = [0, 128, 512, 1024, args.seqlen - 1]
-    ranges = [(a, b) for a, b in zip(edges, edges[1:]) if a < b <= args.seqlen - 1] + [(0, args.seqlen - 1)]
+    nll, ids = {}, None
+    for src in args.models:
+        model, tok = load_model(src)
+        if ids is None:  # the first model's tokenizer serves all: the windows must be the same tokens
+            ids = tokenize_corpus(tok, load_texts(args.dataset))
+            if ids.numel() < args.windows * args.seqlen:
+                raise SystemExit(f"{args.dataset} has {ids.numel()} tokens, fewer than --windows x --seqlen: "
+                                 "lower --windows.")
+        nll[src] = nll_by_position(model.eval(), ids, args.windows, args.seqlen)
+        del model
+    n = args.seqlen - 1  # predicted positions per window
+    cuts = [c for c in (0, 128, 512, 1024) if c < n] + [n]
+    ranges = list(zip(cuts, cuts[1:])) + [(0, n)]
     print(f"{args.dataset}, first {args.windows} x {args.seqlen} tokens; "
           "ppl = exp(mean NLL) per range of predicted positions")
     print("| positions | " + " | ".join(args.models) + " |")
