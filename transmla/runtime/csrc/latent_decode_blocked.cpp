@@ -24,6 +24,10 @@ namespace {
 
 constexpr int64_t kChunkBlocks = 16;
 constexpr int64_t kChunkKeys = kChunkBlocks * 16;
+// blocks ahead that the score loop prefetches into L2 (past a sequence's end it touches the next work item's
+// memory or none: a prefetch never faults). 30 layers, batch 8, 4,160 keys, 9 heads, 2 threads of an AMD
+// EPYC: 12.1 ms without, 10.3 ms at 2 blocks ahead (1-8 tried; into L1 no faster than none).
+constexpr int64_t kPrefetchBlocks = 2;
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512dq,fma")
