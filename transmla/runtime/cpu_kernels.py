@@ -8,8 +8,8 @@ machine's bandwidth on this project's 2-core AMD EPYC, so two operators do it di
   [out, in] weight. Each weight row is read once and multiplied by all the input rows held in L1, with
   software prefetches ahead of the stream into L1 and L2. One pass of batch 8 through every linear of
   the SmolLM2 87.5% export (2 threads, `packed.fastest_kernel`; reports/throughput gives each run's
-  times) takes about 19 ms on this project's AMD EPYC (26 ms with the L1 prefetch alone) against 27 ms
-  on oneDNN's packed weights and 70 ms on MKL's, and it needs no packed copy in memory.
+  times of the three kernels) takes 19-20 ms on this project's AMD EPYC (26 ms with the L1 prefetch
+  alone), faster than oneDNN's and MKL's packed weights there, and it needs no packed copy in memory.
   `runtime.packed` offers it as the kernel "stream" beside "mkl" and "onednn" and picks the fastest.
 - `transmla::latent_decode_cpu` (csrc/latent_decode.cpp): one query token per sequence over the shared
   latent, the latent read once (flash-decoding: chunks of keys in parallel, merged by their maxima
