@@ -25,8 +25,8 @@ from prefect.cache_policies import NO_CACHE
 
 from transmla.io.sources import load_model
 from transmla.runtime.absorb import enable_absorb
-from transmla.runtime.throughput import (GIB, decode_step, kv_bytes_per_token, kv_capacity_tokens, measure, memory_bandwidth,
-                                         peak_flops)
+from transmla.runtime.throughput import (GIB, bandwidth_summary, bound_fields, decode_step, kv_bytes_per_token,
+                                         kv_capacity_tokens, measure, memory_bandwidth, peak_flops)
 
 from .artifacts import cached_task, save_json
 from .figures import _plt, _save
@@ -71,11 +71,13 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
 
     models = {"original": load_model(original["path"], device=device)[0],
               "converted": load_model(converted["path"], device=device)[0]}
-    bandwidth = memory_bandwidth(device)
+    # the copy bandwidth read before the runs, before every steady-decode cell and after them: the
+    # bounds divide by the median reading (`bandwidth_summary`), one reading swings with the host's load
+    readings = [memory_bandwidth(device)]
     compute = peak_flops(device, next(models["converted"].parameters()).dtype, threads=threads)
     # the paper runs first: their peak RSS then holds the models, not what compiling leaves resident
     plan = [("full", c, run) for c in full_contexts for run in FULL_RUNS] + [("decode", c, run) for c in contexts for run in RUNS]
-    out = {"decode": [], "full": [], "bandwidth": bandwidth, "compute": compute}
+    out = {"decode": [], "full": [], "compute": compute}
     # one GEMM kernel for every packed run, chosen by measurement on the first one's weights: the speedups
     # compare the same kernel (chosen per model, noise could pick two for a tiny model's near-equal timings)
     gemm = "auto"
@@ -93,15 +95,21 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
             which = "converted absorbed"
         m = models[which]
         if kind == "decode":
+            readings.append(memory_bandwidth(device))
             row = median_row([decode_step(m, backend, context, batch, steps=steps, threads=threads, seed=i,
-                                          bandwidth=bandwidth["bytes_per_s"], flops=compute["flops_per_s"],
+                                          flops=compute["flops_per_s"],
                                           packed_weights=packed_weights and label in PACKED_RUNS,
                                           compiled=compiled_decode and label in COMPILED_RUNS, gemm=gemm)
                               for i in range(repeats)])
             gemm = row.get("gemm") or gemm
+            row["bandwidth_before_bytes_per_s"] = readings[-1]["bytes_per_s"]
         else:
             row = measure(m, backend, context, batch, threads=threads, cache_memory_bytes=int(cache_memory_gib * GIB))
         out[kind].append({"run": label, **row})
+    readings.append(memory_bandwidth(device))
+    out["bandwidth"] = bw = bandwidth_summary(readings)
+    for row in out["decode"]:
+        row.update(bound_fields(row, row["time_per_output_token_ms"] / 1e3, bw["bytes_per_s"], bw["range_bytes_per_s"]))
     mem = int(cache_memory_gib * GIB)
     kv = {label: kv_bytes_per_token(models[which].config, backend) for label, which, backend in FULL_RUNS}
     out["kv"] = {label: {"bytes_per_token": b, "capacity_tokens": kv_capacity_tokens(b, mem),
@@ -195,8 +203,16 @@ def table(result: dict, title: str) -> str:
                   + ".", ""]
     if bw:
         host = f"{bw['processor']}; " if bw.get("processor") else ""
-        lines += [f"Measured memory bandwidth ({host}{bw['device']}, a {bw['copy_bytes'] / GIB:.0f} GiB copy, median of "
-                  f"{bw['repeats']}): {bw['bytes_per_s'] / 1e9:.1f} GB/s.", ""]
+        copy = f"a {bw['copy_bytes'] / GIB:.0f} GiB copy, median of {bw['repeats']}"
+        if bw.get("readings", 1) > 1:  # several readings through the run: the bounds use their median
+            lo, hi = bw["range_bytes_per_s"]
+            lines += [f"Measured memory bandwidth ({host}{bw['device']}; {copy} copies per reading; {bw['readings']} "
+                      "readings, before the runs, before each steady-decode cell and after them): median "
+                      f"{bw['bytes_per_s'] / 1e9:.1f} GB/s, range {lo / 1e9:.1f}-{hi / 1e9:.1f} GB/s. The bounds below "
+                      "divide by the median; the roofline table also gives each time against the lowest and the "
+                      "highest reading.", ""]
+        else:
+            lines += [f"Measured memory bandwidth ({host}{bw['device']}, {copy}): {bw['bytes_per_s'] / 1e9:.1f} GB/s.", ""]
     lines += ["| context | " + " | ".join(runs) + " | " + " | ".join(f"speedup {r}" for r in others) + " |",
               "|---:|" + "---:|" * (len(runs) + len(others))]
 
@@ -223,13 +239,16 @@ def table(result: dict, title: str) -> str:
                   + "). Where the two are close, a step near either needs its memory reads and its arithmetic to "
                   "overlap almost perfectly.", "",
                   "| context | run | bandwidth bound ms (weights + KV) | compute floor ms (linears + attention) | "
-                  "measured ms | x of bandwidth bound | x of the larger |", "|---:|---|---:|---:|---:|---:|---:|"]
+                  "measured ms | x of bandwidth bound (at the lowest-highest reading) | x of the larger |",
+                  "|---:|---|---:|---:|---:|---:|---:|"]
         for r in sorted(roof, key=lambda r: (r["context"], runs.index(r["run"]) if r["run"] in runs else 0)):
             bw_ms = r["bound_ms"]
             w_ms = bw_ms * r["weight_bytes"] / r["step_bytes"]
+            xr = r.get("x_of_bound_range")
+            x = f"{r['x_of_bound']:.1f}x" + (f" ({xr[0]:.1f}-{xr[1]:.1f})" if xr else "")
             lines.append(f"| {r['context']:,} | {r['run']} | {bw_ms:.1f} ({w_ms:.1f} + {bw_ms - w_ms:.1f}) | "
                          f"{r['compute_floor_ms']:.1f} ({r['linear_floor_ms']:.1f} + {r['attention_floor_ms']:.1f}) | "
-                         f"{r['time_per_output_token_ms']:.0f} | {r['x_of_bound']:.1f}x | {r['x_of_roofline']:.1f}x |")
+                         f"{r['time_per_output_token_ms']:.0f} | {x} | {r['x_of_roofline']:.1f}x |")
     if result["full"]:
         lines += ["", "Paper protocol (input = output = context / 2, greedy, no EOS stop): output tokens/s over "
                   "prefill + decode, time per output token, prefill seconds, peak RSS of the process.", "",

@@ -358,6 +358,34 @@ def test_roofline_bytes(tiny_pair):
     assert bw["bytes_per_s"] > 0 and bw["best_bytes_per_s"] >= bw["bytes_per_s"]
 
 
+def test_bandwidth_summary_and_bounds():
+    """Readings through a run -> their median (the middle one; the upper middle of an even count) with the
+    range and every reading in order; the bounds divide the step's bytes by it, and the range gives the
+    same time against the lowest and the highest reading. No reading is an error that says what to do."""
+    from transmla.runtime.throughput import bandwidth_summary, bound_fields
+
+    def reading(rate):
+        return {"device": "cpu", "bytes_per_s": rate, "best_bytes_per_s": 2 * rate, "copy_bytes": 64, "repeats": 5,
+                "processor": "x"}
+
+    s = bandwidth_summary([reading(r) for r in (30e9, 52e9, 35e9, 31e9, 36e9)])
+    assert s["bytes_per_s"] == 35e9 and s["range_bytes_per_s"] == [30e9, 52e9] and s["readings"] == 5
+    assert s["readings_bytes_per_s"] == [30e9, 52e9, 35e9, 31e9, 36e9]
+    assert s["copy_bytes"] == 64 and s["processor"] == "x" and "best_bytes_per_s" not in s
+    assert bandwidth_summary([reading(4.0), reading(2.0)])["bytes_per_s"] == 4.0
+    assert bandwidth_summary([reading(3.0)])["range_bytes_per_s"] == [3.0, 3.0]
+    with pytest.raises(TransMLAError, match="memory_bandwidth"):
+        bandwidth_summary([])
+    row = {"step_bytes": 7e8, "compute_floor_ms": 30.0}
+    f = bound_fields(row, 0.04, 35e9, (30e9, 52e9))  # 40 ms; 7e8 bytes at 35 GB/s = 20 ms
+    assert f["bound_ms"] == pytest.approx(20.0) and f["x_of_bound"] == pytest.approx(2.0)
+    assert f["x_of_bound_range"] == pytest.approx([40 / (7e8 / 30e9 * 1e3), 40 / (7e8 / 52e9 * 1e3)])
+    assert f["x_of_roofline"] == pytest.approx(40 / 30)  # the compute floor is the larger
+    assert f["bandwidth_bytes_per_s"] == 35e9
+    g = bound_fields({"step_bytes": 7e8}, 0.04, 7e9)  # no compute floor, no spread: 100 ms bound
+    assert g["x_of_bound"] == pytest.approx(0.4) and "x_of_roofline" not in g and "x_of_bound_range" not in g
+
+
 def test_roofline_flops(tiny_pair):
     """The compute floor counts 2 operations per multiply-add: every weight matrix once per row of the
     batch, and per layer, query head and cached token the attention's dot products (GQA: keys and values

@@ -382,6 +382,9 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
         assert r["x_of_roofline"] == pytest.approx(r["time_per_output_token_ms"]
                                                    / max(r["bound_ms"], r["compute_floor_ms"]))
         assert r["bandwidth_bytes_per_s"] == result["bandwidth"]["bytes_per_s"] > 0
+        # the same time against the bound at the lowest and the highest bandwidth read in the run
+        assert r["x_of_bound_range"][0] <= r["x_of_bound"] <= r["x_of_bound_range"][1]
+        assert r["bandwidth_before_bytes_per_s"] in result["bandwidth"]["readings_bytes_per_s"]
         # the best forms: original static on packed weights, converted absorb compiled (inductor packs its
         # weights itself); the stock defaults neither
         assert r["packed_weights"] is (packable and r["run"] == "original static")
@@ -390,6 +393,11 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
         assert (r["gemm"] in packed.KERNELS) is (r["packed_weights"] or r["compiled"])
         # the absorbed run records its single-token attention kernel ("auto" resolved)
         assert r["decode_attention"] == (absorb.decode_kernel(torch.device("cpu")) if r["run"] == "converted absorb" else None)
+    # the bandwidth read before the runs, before each of the 8 steady-decode cells and after them; the median
+    bw = result["bandwidth"]
+    assert bw["readings"] == len(bw["readings_bytes_per_s"]) == 1 + 8 + 1
+    assert bw["range_bytes_per_s"][0] <= bw["bytes_per_s"] <= bw["range_bytes_per_s"][1]
+    assert bw["bytes_per_s"] == sorted(bw["readings_bytes_per_s"])[5]
     assert [r["run"] for r in result["full"]] == ["original", "converted hf", "converted absorb"]
     # 2 layers: original 2 x 2 KV heads x 16 dims, converted 12 + 4 latent values, float32
     assert result["kv"]["original"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 4
@@ -400,7 +408,7 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
     out = tmp_path / "reports/throughput/tput/transmla-0.25"
     md = (out / "throughput.md").read_text()
     assert "| 32 |" in md and "speedup converted absorb" in md and "vLLM serving check: **skipped**" in md
-    assert "x bound)" in md and "GB/s" in md and "original static" in md
+    assert "x bound)" in md and "GB/s" in md and "original static" in md and "10 readings" in md
     assert "| compute floor ms (linears + attention) |" in md and "GFLOP/s" in md
     assert ("original static: every linear layer" in md) is packable
     if packable:  # the text says what the chosen kernel does: stream reads the stock weights, the others pack

@@ -12,7 +12,9 @@ greedy, no EOS stopping (min_new_tokens = max_new_tokens), random prompt tokens 
 
 Roofline: a decode step must read every weight once and the whole KV cache of the batch; over the
 machine's measured copy bandwidth (`memory_bandwidth`) that is a lower bound on its time
-(`step_bytes`), reported next to each measured step as "x of the bound".
+(`step_bytes`), reported next to each measured step as "x of the bound". One copy's reading swings with
+a shared host's load, so a run reads it several times and divides by the median (`bandwidth_summary`,
+`bound_fields`).
 
 Compute floor: the step's floating-point operations (`step_flops`) over the machine's measured
 matmul peak (`peak_flops`). On a CPU with few cores the two floors can be close (SmolLM2 at batch 8
@@ -167,6 +169,34 @@ def memory_bandwidth(device="cpu", nbytes: int = 1 << 30, repeats: int = 5) -> d
             "best_bytes_per_s": 2 * n * 4 / times[0], "repeats": repeats, "processor": processor_name(device)}
 
 
+def bandwidth_summary(readings: list[dict]) -> dict:
+    """Several `memory_bandwidth` readings spread through one run -> the run's bandwidth: the median
+    reading (`bytes_per_s`) with the range of all of them (`range_bytes_per_s`) and every reading in order.
+    Why several: on a shared host one reading can land 50% above or below the usual (a neighbour idle or
+    busy for that second), and a bound divided by it swings as much."""
+    if not readings:
+        raise TransMLAError("No memory-bandwidth readings to summarise.", "take at least one with memory_bandwidth().")
+    rates = [r["bytes_per_s"] for r in readings]
+    ordered = sorted(rates)
+    return {**{k: v for k, v in readings[0].items() if k not in ("bytes_per_s", "best_bytes_per_s")},
+            "bytes_per_s": ordered[len(ordered) // 2], "range_bytes_per_s": [ordered[0], ordered[-1]],
+            "readings": len(rates), "readings_bytes_per_s": rates}
+
+
+def bound_fields(row: dict, seconds: float, bandwidth: float, spread: tuple[float, float] | None = None) -> dict:
+    """The bandwidth side of a roofline row (`roofline`: `step_bytes`, and `compute_floor_ms` if measured)
+    at `bandwidth` bytes/s: the bound `bound_ms`, the measured `seconds` as `x_of_bound` and, beside the
+    compute floor, `x_of_roofline`. `spread` (lowest, highest bandwidth read in the run): `x_of_bound_range`,
+    the same time against the bound at each end."""
+    out = {"bandwidth_bytes_per_s": bandwidth, "bound_ms": 1e3 * row["step_bytes"] / bandwidth,
+           "x_of_bound": seconds * bandwidth / row["step_bytes"]}
+    if spread:
+        out["x_of_bound_range"] = [seconds * b / row["step_bytes"] for b in spread]
+    if row.get("compute_floor_ms") is not None:
+        out["x_of_roofline"] = 1e3 * seconds / max(out["bound_ms"], row["compute_floor_ms"])
+    return out
+
+
 def processor_name(device="cpu") -> str:
     """The device's model name, so numbers from different machines are not compared blind: the GPU's
     name, or the CPU's from /proc/cpuinfo (platform.processor() elsewhere) with its core count and
@@ -265,15 +295,12 @@ def roofline(model, backend: str, context: int, batch: int, seconds: float, *, b
     row = step_bytes(model, backend, context, batch)
     work = step_flops(model, backend, context, batch)
     row.update(work)
-    if bandwidth:
-        row.update(bandwidth_bytes_per_s=bandwidth, bound_ms=1e3 * row["step_bytes"] / bandwidth,
-                   x_of_bound=seconds * bandwidth / row["step_bytes"])
     if flops:
         row.update(flops_per_s=flops, compute_floor_ms=1e3 * work["step_flops"] / flops,
                    linear_floor_ms=1e3 * work["linear_flops"] / flops,
                    attention_floor_ms=1e3 * work["attention_flops"] / flops)
-        if bandwidth:
-            row["x_of_roofline"] = 1e3 * seconds / max(row["bound_ms"], row["compute_floor_ms"])
+    if bandwidth:
+        row.update(bound_fields(row, seconds, bandwidth))
     return row
 
 
