@@ -25,8 +25,8 @@ from prefect.cache_policies import NO_CACHE
 
 from transmla.io.sources import load_model
 from transmla.runtime.absorb import enable_absorb
-from transmla.runtime.throughput import (GIB, bandwidth_summary, bound_fields, decode_step, kv_bytes_per_token,
-                                         kv_capacity_tokens, measure, memory_bandwidth, peak_flops)
+from transmla.runtime.throughput import (GIB, bound_fields, decode_step, floor_fields, kv_bytes_per_token,
+                                         kv_capacity_tokens, measure, memory_bandwidth, peak_flops, readings_summary)
 
 from .artifacts import cached_task, save_json
 from .figures import _plt, _save
@@ -71,13 +71,20 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
 
     models = {"original": load_model(original["path"], device=device)[0],
               "converted": load_model(converted["path"], device=device)[0]}
-    # the copy bandwidth read before the runs, before every steady-decode cell and after them: the
-    # bounds divide by the median reading (`bandwidth_summary`), one reading swings with the host's load
-    readings = [memory_bandwidth(device)]
-    compute = peak_flops(device, next(models["converted"].parameters()).dtype, threads=threads)
+    # the copy bandwidth and the matmul peak read before the runs, before every steady-decode cell and after
+    # them: the bounds and floors divide by the median readings (`readings_summary`), one reading swings
+    # with the host's load
+    dtype = next(models["converted"].parameters()).dtype
+
+    def read():
+        readings.append(memory_bandwidth(device))
+        peaks.append(peak_flops(device, dtype, threads=threads))
+
+    readings, peaks = [], []
+    read()
     # the paper runs first: their peak RSS then holds the models, not what compiling leaves resident
     plan = [("full", c, run) for c in full_contexts for run in FULL_RUNS] + [("decode", c, run) for c in contexts for run in RUNS]
-    out = {"decode": [], "full": [], "compute": compute}
+    out = {"decode": [], "full": []}
     # one GEMM kernel for every packed run, chosen by measurement on the first one's weights: the speedups
     # compare the same kernel (chosen per model, noise could pick two for a tiny model's near-equal timings)
     gemm = "auto"
@@ -95,20 +102,22 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
             which = "converted absorbed"
         m = models[which]
         if kind == "decode":
-            readings.append(memory_bandwidth(device))
+            read()
             row = median_row([decode_step(m, backend, context, batch, steps=steps, threads=threads, seed=i,
-                                          flops=compute["flops_per_s"],
                                           packed_weights=packed_weights and label in PACKED_RUNS,
                                           compiled=compiled_decode and label in COMPILED_RUNS, gemm=gemm)
                               for i in range(repeats)])
             gemm = row.get("gemm") or gemm
             row["bandwidth_before_bytes_per_s"] = readings[-1]["bytes_per_s"]
+            row["flops_before_per_s"] = peaks[-1]["flops_per_s"]
         else:
             row = measure(m, backend, context, batch, threads=threads, cache_memory_bytes=int(cache_memory_gib * GIB))
         out[kind].append({"run": label, **row})
-    readings.append(memory_bandwidth(device))
-    out["bandwidth"] = bw = bandwidth_summary(readings)
+    read()
+    out["bandwidth"] = bw = readings_summary(readings, "bytes_per_s")
+    out["compute"] = peak = readings_summary(peaks, "flops_per_s")
     for row in out["decode"]:
+        row.update(floor_fields(row, peak["flops_per_s"], peak["range_flops_per_s"]))
         row.update(bound_fields(row, row["time_per_output_token_ms"] / 1e3, bw["bytes_per_s"], bw["range_bytes_per_s"]))
     mem = int(cache_memory_gib * GIB)
     kv = {label: kv_bytes_per_token(models[which].config, backend) for label, which, backend in FULL_RUNS}
@@ -231,11 +240,19 @@ def table(result: dict, title: str) -> str:
     roof = [r for r in result["decode"] if r.get("compute_floor_ms") and r.get("bound_ms")]
     if roof:
         peak = result.get("compute") or {}
+        if peak.get("readings", 1) > 1:  # read with the bandwidth through the run: the floors use the median
+            lo, hi = peak["range_flops_per_s"]
+            peak_text = (f", an {peak['n']}^3 matmul in {peak['dtype']} on {peak['threads']} threads, the best of "
+                         f"{peak['repeats']} per reading, read with the bandwidth: median {peak['flops_per_s'] / 1e9:.0f} "
+                         f"GFLOP/s of {peak['readings']} readings, range {lo / 1e9:.0f}-{hi / 1e9:.0f}")
+        elif peak:
+            peak_text = (f", {peak['flops_per_s'] / 1e9:.0f} GFLOP/s in {peak['dtype']} on {peak['threads']} threads, an "
+                         f"{peak['n']}^3 matmul, best of {peak['repeats']}")
+        else:
+            peak_text = ""
         lines += ["", "Roofline of each step: the bandwidth bound (weights read once + the batch's KV cache, over "
                   "the measured bandwidth) and the compute floor (the step's multiply-adds, 2 operations each: "
-                  "linears + attention, over the measured matmul peak"
-                  + (f", {peak['flops_per_s'] / 1e9:.0f} GFLOP/s in {peak['dtype']} on {peak['threads']} threads, an "
-                     f"{peak['n']}^3 matmul, best of {peak['repeats']}" if peak else "")
+                  "linears + attention, over the measured matmul peak" + peak_text
                   + "). Where the two are close, a step near either needs its memory reads and its arithmetic to "
                   "overlap almost perfectly.", "",
                   "| context | run | bandwidth bound ms (weights + KV) | compute floor ms (linears + attention) | "

@@ -358,25 +358,31 @@ def test_roofline_bytes(tiny_pair):
     assert bw["bytes_per_s"] > 0 and bw["best_bytes_per_s"] >= bw["bytes_per_s"]
 
 
-def test_bandwidth_summary_and_bounds():
+def test_readings_summary_bounds_and_floors():
     """Readings through a run -> their median (the middle one; the upper middle of an even count) with the
-    range and every reading in order; the bounds divide the step's bytes by it, and the range gives the
-    same time against the lowest and the highest reading. No reading is an error that says what to do."""
-    from transmla.runtime.throughput import bandwidth_summary, bound_fields
+    range and every reading in order, for the bandwidth and the matmul peak alike; the bounds divide the
+    step's bytes by the bandwidth and the floors its operations by the peak, and the ranges give the same
+    time against the lowest and the highest reading. No reading is an error that says what to do."""
+    from transmla.runtime.throughput import bound_fields, floor_fields, readings_summary
 
     def reading(rate):
         return {"device": "cpu", "bytes_per_s": rate, "best_bytes_per_s": 2 * rate, "copy_bytes": 64, "repeats": 5,
                 "processor": "x"}
 
-    s = bandwidth_summary([reading(r) for r in (30e9, 52e9, 35e9, 31e9, 36e9)])
+    s = readings_summary([reading(r) for r in (30e9, 52e9, 35e9, 31e9, 36e9)])
     assert s["bytes_per_s"] == 35e9 and s["range_bytes_per_s"] == [30e9, 52e9] and s["readings"] == 5
     assert s["readings_bytes_per_s"] == [30e9, 52e9, 35e9, 31e9, 36e9]
     assert s["copy_bytes"] == 64 and s["processor"] == "x" and "best_bytes_per_s" not in s
-    assert bandwidth_summary([reading(4.0), reading(2.0)])["bytes_per_s"] == 4.0
-    assert bandwidth_summary([reading(3.0)])["range_bytes_per_s"] == [3.0, 3.0]
-    with pytest.raises(TransMLAError, match="memory_bandwidth"):
-        bandwidth_summary([])
-    row = {"step_bytes": 7e8, "compute_floor_ms": 30.0}
+    assert readings_summary([reading(4.0), reading(2.0)])["bytes_per_s"] == 4.0
+    assert readings_summary([reading(3.0)])["range_bytes_per_s"] == [3.0, 3.0]
+    p = readings_summary([{"flops_per_s": f, "n": 1024, "threads": 2} for f in (190e9, 121e9, 188e9)], "flops_per_s")
+    assert p["flops_per_s"] == 188e9 and p["range_flops_per_s"] == [121e9, 190e9] and p["n"] == 1024
+    with pytest.raises(TransMLAError, match="peak_flops"):
+        readings_summary([], "flops_per_s")
+    row = {"step_bytes": 7e8, "step_flops": 6e9, "linear_flops": 4e9, "attention_flops": 2e9}
+    row.update(floor_fields(row, 200e9, (100e9, 300e9)))  # 6e9 operations at 200 GFLOP/s = 30 ms
+    assert row["compute_floor_ms"] == pytest.approx(30.0) and row["linear_floor_ms"] == pytest.approx(20.0)
+    assert row["attention_floor_ms"] == pytest.approx(10.0) and row["compute_floor_range_ms"] == pytest.approx([60.0, 20.0])
     f = bound_fields(row, 0.04, 35e9, (30e9, 52e9))  # 40 ms; 7e8 bytes at 35 GB/s = 20 ms
     assert f["bound_ms"] == pytest.approx(20.0) and f["x_of_bound"] == pytest.approx(2.0)
     assert f["x_of_bound_range"] == pytest.approx([40 / (7e8 / 30e9 * 1e3), 40 / (7e8 / 52e9 * 1e3)])

@@ -398,6 +398,13 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
     assert bw["readings"] == len(bw["readings_bytes_per_s"]) == 1 + 8 + 1
     assert bw["range_bytes_per_s"][0] <= bw["bytes_per_s"] <= bw["range_bytes_per_s"][1]
     assert bw["bytes_per_s"] == sorted(bw["readings_bytes_per_s"])[5]
+    # the matmul peak read with it; the floors divide by its median
+    peak = result["compute"]
+    assert peak["readings"] == 10 and peak["flops_per_s"] == sorted(peak["readings_flops_per_s"])[5]
+    for r in result["decode"]:
+        assert r["flops_per_s"] == peak["flops_per_s"] and r["flops_before_per_s"] in peak["readings_flops_per_s"]
+        hi, lo = r["compute_floor_range_ms"]  # the floor at the lowest peak is the highest
+        assert lo <= r["compute_floor_ms"] <= hi
     assert [r["run"] for r in result["full"]] == ["original", "converted hf", "converted absorb"]
     # 2 layers: original 2 x 2 KV heads x 16 dims, converted 12 + 4 latent values, float32
     assert result["kv"]["original"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 4

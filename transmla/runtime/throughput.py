@@ -13,8 +13,8 @@ greedy, no EOS stopping (min_new_tokens = max_new_tokens), random prompt tokens 
 Roofline: a decode step must read every weight once and the whole KV cache of the batch; over the
 machine's measured copy bandwidth (`memory_bandwidth`) that is a lower bound on its time
 (`step_bytes`), reported next to each measured step as "x of the bound". One copy's reading swings with
-a shared host's load, so a run reads it several times and divides by the median (`bandwidth_summary`,
-`bound_fields`).
+a shared host's load, so a run reads it several times and divides by the median (`readings_summary`,
+`bound_fields`); the matmul peak too (`floor_fields`).
 
 Compute floor: the step's floating-point operations (`step_flops`) over the machine's measured
 matmul peak (`peak_flops`). On a CPU with few cores the two floors can be close (SmolLM2 at batch 8
@@ -169,18 +169,32 @@ def memory_bandwidth(device="cpu", nbytes: int = 1 << 30, repeats: int = 5) -> d
             "best_bytes_per_s": 2 * n * 4 / times[0], "repeats": repeats, "processor": processor_name(device)}
 
 
-def bandwidth_summary(readings: list[dict]) -> dict:
-    """Several `memory_bandwidth` readings spread through one run -> the run's bandwidth: the median
-    reading (`bytes_per_s`) with the range of all of them (`range_bytes_per_s`) and every reading in order.
-    Why several: on a shared host one reading can land 50% above or below the usual (a neighbour idle or
-    busy for that second), and a bound divided by it swings as much."""
+def readings_summary(readings: list[dict], key: str = "bytes_per_s") -> dict:
+    """Several readings of one rate spread through a run (`memory_bandwidth`: key "bytes_per_s";
+    `peak_flops`: "flops_per_s") -> the run's figure: the median reading (`key`) with the range of all of
+    them (`range_<key>`) and every reading in order (`readings_<key>`). Why several: on a shared host one
+    reading can land 50% above or below the usual (a neighbour idle or busy for that second), and a bound
+    divided by it swings as much."""
     if not readings:
-        raise TransMLAError("No memory-bandwidth readings to summarise.", "take at least one with memory_bandwidth().")
-    rates = [r["bytes_per_s"] for r in readings]
+        raise TransMLAError(f"No {key} readings to summarise.",
+                            "take at least one (memory_bandwidth() or peak_flops()).")
+    rates = [r[key] for r in readings]
     ordered = sorted(rates)
-    return {**{k: v for k, v in readings[0].items() if k not in ("bytes_per_s", "best_bytes_per_s")},
-            "bytes_per_s": ordered[len(ordered) // 2], "range_bytes_per_s": [ordered[0], ordered[-1]],
-            "readings": len(rates), "readings_bytes_per_s": rates}
+    return {**{k: v for k, v in readings[0].items() if k not in (key, f"best_{key}")},
+            key: ordered[len(ordered) // 2], f"range_{key}": [ordered[0], ordered[-1]],
+            "readings": len(rates), f"readings_{key}": rates}
+
+
+def floor_fields(row: dict, flops: float, spread: tuple[float, float] | None = None) -> dict:
+    """The compute side of a roofline row (`roofline`: `step_flops`, `linear_flops`, `attention_flops`) at
+    `flops` operations/s: the floor `compute_floor_ms`, split into `linear_floor_ms` and `attention_floor_ms`.
+    `spread` (lowest, highest peak read in the run): `compute_floor_range_ms`, the floor at each end."""
+    out = {"flops_per_s": flops, "compute_floor_ms": 1e3 * row["step_flops"] / flops,
+           "linear_floor_ms": 1e3 * row["linear_flops"] / flops,
+           "attention_floor_ms": 1e3 * row["attention_flops"] / flops}
+    if spread:
+        out["compute_floor_range_ms"] = [1e3 * row["step_flops"] / f for f in spread]
+    return out
 
 
 def bound_fields(row: dict, seconds: float, bandwidth: float, spread: tuple[float, float] | None = None) -> dict:
@@ -296,9 +310,7 @@ def roofline(model, backend: str, context: int, batch: int, seconds: float, *, b
     work = step_flops(model, backend, context, batch)
     row.update(work)
     if flops:
-        row.update(flops_per_s=flops, compute_floor_ms=1e3 * work["step_flops"] / flops,
-                   linear_floor_ms=1e3 * work["linear_flops"] / flops,
-                   attention_floor_ms=1e3 * work["attention_flops"] / flops)
+        row.update(floor_fields(row, flops))
     if bandwidth:
         row.update(bound_fields(row, seconds, bandwidth))
     return row
