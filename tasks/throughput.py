@@ -75,12 +75,12 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
     # them: the bounds and floors divide by the median readings (`readings_summary`), one reading swings
     # with the host's load
     dtype = next(models["converted"].parameters()).dtype
+    readings, peaks = [], []
 
     def read():
         readings.append(memory_bandwidth(device))
         peaks.append(peak_flops(device, dtype, threads=threads))
 
-    readings, peaks = [], []
     read()
     # the paper runs first: their peak RSS then holds the models, not what compiling leaves resident
     plan = [("full", c, run) for c in full_contexts for run in FULL_RUNS] + [("decode", c, run) for c in contexts for run in RUNS]
@@ -212,16 +212,12 @@ def table(result: dict, title: str) -> str:
                   + ".", ""]
     if bw:
         host = f"{bw['processor']}; " if bw.get("processor") else ""
-        copy = f"a {bw['copy_bytes'] / GIB:.0f} GiB copy, median of {bw['repeats']}"
-        if bw.get("readings", 1) > 1:  # several readings through the run: the bounds use their median
-            lo, hi = bw["range_bytes_per_s"]
-            lines += [f"Measured memory bandwidth ({host}{bw['device']}; {copy} copies per reading; {bw['readings']} "
-                      "readings, before the runs, before each steady-decode cell and after them): median "
-                      f"{bw['bytes_per_s'] / 1e9:.1f} GB/s, range {lo / 1e9:.1f}-{hi / 1e9:.1f} GB/s. The bounds below "
-                      "divide by the median; the roofline table also gives each time against the lowest and the "
-                      "highest reading.", ""]
-        else:
-            lines += [f"Measured memory bandwidth ({host}{bw['device']}, {copy}): {bw['bytes_per_s'] / 1e9:.1f} GB/s.", ""]
+        lo, hi = bw["range_bytes_per_s"]
+        lines += [f"Measured memory bandwidth ({host}{bw['device']}; a {bw['copy_bytes'] / GIB:.0f} GiB copy, median of "
+                  f"{bw['repeats']} copies per reading; {bw['readings']} readings, before the runs, before each "
+                  f"steady-decode cell and after them): median {bw['bytes_per_s'] / 1e9:.1f} GB/s, range "
+                  f"{lo / 1e9:.1f}-{hi / 1e9:.1f} GB/s. The bounds below divide by the median; the roofline table also "
+                  "gives each time against the lowest and the highest reading.", ""]
     lines += ["| context | " + " | ".join(runs) + " | " + " | ".join(f"speedup {r}" for r in others) + " |",
               "|---:|" + "---:|" * (len(runs) + len(others))]
 
@@ -239,21 +235,14 @@ def table(result: dict, title: str) -> str:
         lines.append(f"| {c:,} | " + " | ".join(cells) + " | " + " | ".join(sp) + " |")
     roof = [r for r in result["decode"] if r.get("compute_floor_ms") and r.get("bound_ms")]
     if roof:
-        peak = result.get("compute") or {}
-        if peak.get("readings", 1) > 1:  # read with the bandwidth through the run: the floors use the median
-            lo, hi = peak["range_flops_per_s"]
-            peak_text = (f", an {peak['n']}^3 matmul in {peak['dtype']} on {peak['threads']} threads, the best of "
-                         f"{peak['repeats']} per reading, read with the bandwidth: median {peak['flops_per_s'] / 1e9:.0f} "
-                         f"GFLOP/s of {peak['readings']} readings, range {lo / 1e9:.0f}-{hi / 1e9:.0f}")
-        elif peak:
-            peak_text = (f", {peak['flops_per_s'] / 1e9:.0f} GFLOP/s in {peak['dtype']} on {peak['threads']} threads, an "
-                         f"{peak['n']}^3 matmul, best of {peak['repeats']}")
-        else:
-            peak_text = ""
+        peak = result["compute"]
+        lo, hi = peak["range_flops_per_s"]
         lines += ["", "Roofline of each step: the bandwidth bound (weights read once + the batch's KV cache, over "
                   "the measured bandwidth) and the compute floor (the step's multiply-adds, 2 operations each: "
-                  "linears + attention, over the measured matmul peak" + peak_text
-                  + "). Where the two are close, a step near either needs its memory reads and its arithmetic to "
+                  f"linears + attention, over the measured matmul peak, an {peak['n']}^3 matmul in {peak['dtype']} on "
+                  f"{peak['threads']} threads, the best of {peak['repeats']} per reading, read with the bandwidth: median "
+                  f"{peak['flops_per_s'] / 1e9:.0f} GFLOP/s of {peak['readings']} readings, range "
+                  f"{lo / 1e9:.0f}-{hi / 1e9:.0f}). Where the two are close, a step near either needs its memory reads and its arithmetic to "
                   "overlap almost perfectly.", "",
                   "| context | run | bandwidth bound ms (weights + KV) | compute floor ms (linears + attention) | "
                   "measured ms | x of bandwidth bound (at the lowest-highest reading) | x of the larger |",
@@ -261,8 +250,8 @@ def table(result: dict, title: str) -> str:
         for r in sorted(roof, key=lambda r: (r["context"], runs.index(r["run"]) if r["run"] in runs else 0)):
             bw_ms = r["bound_ms"]
             w_ms = bw_ms * r["weight_bytes"] / r["step_bytes"]
-            xr = r.get("x_of_bound_range")
-            x = f"{r['x_of_bound']:.1f}x" + (f" ({xr[0]:.1f}-{xr[1]:.1f})" if xr else "")
+            xr = r["x_of_bound_range"]
+            x = f"{r['x_of_bound']:.1f}x ({xr[0]:.1f}-{xr[1]:.1f})"
             lines.append(f"| {r['context']:,} | {r['run']} | {bw_ms:.1f} ({w_ms:.1f} + {bw_ms - w_ms:.1f}) | "
                          f"{r['compute_floor_ms']:.1f} ({r['linear_floor_ms']:.1f} + {r['attention_floor_ms']:.1f}) | "
                          f"{r['time_per_output_token_ms']:.0f} | {x} | {r['x_of_roofline']:.1f}x |")
