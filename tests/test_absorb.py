@@ -564,6 +564,58 @@ def test_compiled_decode_step_equals_the_stock_forward(mla, blocked):
         assert not rows[:, T:].any()  # the slack is never written
 
 
+def test_compiled_decode_skips_guards_only_for_inputs_it_has_run(tiny_pair, monkeypatch):
+    """After a call, the same inputs (another position, another cache of any capacity) run the graph
+    without dynamo's guard evaluation; a new batch or layout runs with the guards, so it compiles its own
+    graph instead of reusing one built for other shapes: every call's log-probs are the stock forward's."""
+    from transmla.runtime import compiled_decode
+    from transmla.runtime.compiled_decode import StaticLatentCache, call_signature, compiled_step
+
+    _, mla = tiny_pair("llama")
+    ids = _ids(mla, batch=3, n=10)
+    prompt = 5
+    ref = _logprobs(mla, ids)
+    skipped = []
+    stance = torch.compiler.set_stance
+
+    def spy(*args, **kwargs):  # records each call's choice, then sets the stance as asked
+        skipped.append(kwargs.get("skip_guard_eval_unsafe", False))
+        return stance(*args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", spy)
+    torch._dynamo.reset()
+    with absorbed(mla):
+        prefill = LatentCache(mla.config)
+        with torch.no_grad():
+            mla(ids[:1, :prompt], past_key_values=prefill, use_cache=True)
+        step = compiled_step(mla)
+
+        def decode(batch, capacity, blocked=None):
+            cache = StaticLatentCache.from_latent_cache(prefill, batch=batch, capacity=capacity, blocked=blocked)
+            got = []
+            for t in range(prompt, ids.shape[1]):
+                # every row is sequence 0 (the prefill repeated), fed sequence 0's next tokens
+                got.append(torch.log_softmax(step(ids[:1, t : t + 1].expand(batch, 1).contiguous(), cache).float(), -1))
+                cache.advance()
+            assert (torch.stack(got, 1) - ref[:1, prompt:]).abs().max() < TOL
+            return cache
+
+        a = decode(3, 12)
+        assert skipped == [True] * (ids.shape[1] - prompt - 1)  # the first call compiled, with its guards
+        b = decode(3, 40)  # another capacity: the same graph, its guards skipped from the first call
+        assert skipped.count(True) == 2 * (ids.shape[1] - prompt) - 1
+        c = decode(2, 12)  # a new batch: guarded once (a new graph), then skipped
+        assert skipped.count(True) == 3 * (ids.shape[1] - prompt) - 2
+        sig = call_signature(ids[:, :1].contiguous(), a)
+        assert sig == call_signature(ids[:, 1:2].contiguous(), b)  # position and capacity are not in it
+        assert sig != call_signature(ids[:2, :1].contiguous(), c)
+        assert sig != call_signature(ids[:, :1], a)  # a strided view of the ids: another graph
+        if True in _blocked_layouts():
+            rows = decode(3, 12, blocked=not a.blocked)
+            assert rows.blocked != a.blocked and call_signature(ids[:, :1].contiguous(), rows) != sig
+    assert compiled_decode.call_signature is call_signature
+
+
 def test_static_latent_cache_copies_repeats_and_refuses(tiny_pair):
     """from_latent_cache repeats each prefilled sequence to the batch; bad sizes, a full cache and models
     the compiled step cannot run are refused with the fix named (before anything compiles)."""
