@@ -196,7 +196,9 @@ def compiled_step(model: nn.Module, freezing: bool = True, gemm: str = "mkl"):
     it, `packed.pack(model, batch, kernel="stream")`, so that every linear is one call of that operator
     in the graph, which inductor keeps as it is). The first call compiles (about a minute for a 30-layer
     model on 2 CPU cores); a new batch size compiles again ("mkl", "stream"), a new capacity does not
-    (it is marked dynamic). Raises TransMLAError when `check_compilable` fails, gemm is not one of
+    (it is marked dynamic). A call whose inputs (`call_signature`) have run before skips dynamo's guard
+    evaluation, so a model changed after the first call needs a new step (its frozen graph holds the old
+    weights in any case). Raises TransMLAError when `check_compilable` fails, gemm is not one of
     `packed.KERNELS` or, for "stream", the model is not packed with it.
     """
     from transmla.runtime import cpu_kernels
