@@ -568,7 +568,6 @@ def test_compiled_decode_skips_guards_only_for_inputs_it_has_run(tiny_pair, monk
     """After a call, the same inputs (another position, another cache of any capacity) run the graph
     without dynamo's guard evaluation; a new batch or layout runs with the guards, so it compiles its own
     graph instead of reusing one built for other shapes: every call's log-probs are the stock forward's."""
-    from transmla.runtime import compiled_decode
     from transmla.runtime.compiled_decode import StaticLatentCache, call_signature, compiled_step
 
     _, mla = tiny_pair("llama")
@@ -613,7 +612,6 @@ def test_compiled_decode_skips_guards_only_for_inputs_it_has_run(tiny_pair, monk
         if True in _blocked_layouts():
             rows = decode(3, 12, blocked=not a.blocked)
             assert rows.blocked != a.blocked and call_signature(ids[:, :1].contiguous(), rows) != sig
-    assert compiled_decode.call_signature is call_signature
 
 
 def test_static_latent_cache_copies_repeats_and_refuses(tiny_pair):

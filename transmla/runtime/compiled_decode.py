@@ -230,8 +230,8 @@ def compiled_step(model: nn.Module, freezing: bool = True, gemm: str = "mkl"):
             for buf in cache.buffers:
                 torch._dynamo.mark_dynamic(buf, 0)
         # A signature that has run before reuses its graph without dynamo's guard evaluation, which
-        # walks the model's modules and parameters on every call: 0.85 ms of a 31-33 ms step, measured
-        # alternating both in one process (SmolLM2 87.5%, batch 8, 4K, 2 threads). Skipping is safe only
+        # walks the model's modules and parameters on every call: about 1 ms of a 31-32 ms step (median
+        # of 8 alternations in one process, SmolLM2 87.5%, batch 8, 4K, 2 threads). Skipping is safe only
         # for inputs a graph was compiled for, so the step checks those itself (`call_signature`); a new
         # one runs with the guards, which compile it. What the signature leaves out is the model, which
         # the frozen graph holds anyway: compile again after changing it.
