@@ -242,6 +242,70 @@ def test_left_padding(impl, decode_kernel):
     assert diff < TOL
 
 
+def _tiny_qwen3_mla(impl):
+    """A random Qwen3MLA (the key-norm scale path, `scaled_latent_attention`), norms away from identity."""
+    from transmla.models import Qwen3MLAConfig, Qwen3MLAForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MLAConfig(vocab_size=101, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                         q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
+                         first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+                         max_position_embeddings=256, qk_norm_groups=2, pad_token_id=0)
+    model = Qwen3MLAForCausalLM(cfg).eval()
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.uniform_(0.5, 2.0)
+    return model
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_left_padding_with_key_scale(impl):
+    """The scaled path (Qwen3 / Gemma 3 key norm) on left-padded prompts: a padded query row attends nothing;
+    it must come out as zeros as in stock SDPA, not NaN that the next layer's latent spreads to every token."""
+    model = _tiny_qwen3_mla(impl)
+    ids = torch.randint(1, 101, (3, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    ids[2, :5], mask[2, :5] = 0, 0
+    kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+              output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        with absorbed(model):
+            got = model.generate(ids, past_key_values=LatentCache(model.config), **kw)
+    assert all(g.isfinite().all() for g in got.logits)
+    assert torch.equal(got.sequences, ref.sequences)
+    diff = max((a.log_softmax(-1) - b.log_softmax(-1)).abs().max().item() for a, b in zip(got.logits, ref.logits))
+    assert diff < TOL
+
+
+def test_absorb_refuses_a_2d_padding_mask():
+    """A flash-attention style [B, T] mask would broadcast against the wrong axes: both latent paths refuse it."""
+    from transmla.runtime.absorb import latent_attention, scaled_latent_attention
+
+    q, latent, mask = torch.randn(2, 4, 2, 20), torch.randn(2, 2, 20), torch.ones(2, 2, dtype=torch.bool)
+    with pytest.raises(TransMLAError, match="4D masks"):
+        latent_attention(q, latent, mask, 0.1, 16)
+    with pytest.raises(TransMLAError, match="4D masks"):
+        scaled_latent_attention(q, latent, None, mask, 0.1, 16)
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_absorbed_off_restores_the_form_it_found(fold):
+    """`absorbed(enabled=False)` on a model absorbed with an explicit fold gives back that form, not the
+    context's default."""
+    model = _random_dsv3(**RANDOM["q_lora_bias"])
+    enable_absorb(model, fold=fold)
+    names = {n for n, _ in model.named_buffers() if n.split(".")[-1].startswith("absorb_")}
+    with absorbed(model, enabled=False):
+        assert not is_absorbed(model)
+    assert is_absorbed(model)
+    assert {n for n, _ in model.named_buffers() if n.split(".")[-1].startswith("absorb_")} == names
+
+
 def test_enable_disable_round_trip(mla):
     keys = set(mla.state_dict())
     enable_absorb(mla)
@@ -609,6 +673,12 @@ def test_compiled_decode_skips_guards_only_for_inputs_it_has_run(tiny_pair, monk
         assert sig == call_signature(ids[:, 1:2].contiguous(), b)  # position and capacity are not in it
         assert sig != call_signature(ids[:2, :1].contiguous(), c)
         assert sig != call_signature(ids[:, :1], a)  # a strided view of the ids: another graph
+        from transmla.runtime import absorb as absorb_module
+
+        kernel = absorb_module.DECODE_KERNEL
+        monkeypatch.setattr(absorb_module, "DECODE_KERNEL", "bmm" if kernel != "bmm" else "sdpa")
+        assert sig != call_signature(ids[:, :1].contiguous(), a)  # a setting the trace read: another graph
+        monkeypatch.setattr(absorb_module, "DECODE_KERNEL", kernel)
         if True in _blocked_layouts():
             rows = decode(3, 12, blocked=not a.blocked)
             assert rows.blocked != a.blocked and call_signature(ids[:, :1].contiguous(), rows) != sig

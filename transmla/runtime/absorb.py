@@ -332,6 +332,21 @@ def decode_kernel(device: torch.device, batch: int = 1, length: int = 0, dtype: 
     return "triton" if batch * length >= AUTO_TRITON_MIN_TOKENS and triton_available() else "bmm"
 
 
+def _mask_to(attention_mask, T: int):
+    """The sdpa / eager 4D mask cut to the last T keys; anything else (a flash-attention 2D padding mask, which
+    would broadcast against the wrong axes) is refused."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        raise TransMLAError(
+            f"Absorb got an attention mask of type {type(attention_mask).__name__}"
+            f"{'' if not isinstance(attention_mask, torch.Tensor) else f' with {attention_mask.dim()} dims'}: "
+            "only sdpa/eager 4D masks are supported.",
+            "load the model with attn_implementation='sdpa' (the default) or 'eager'.",
+        )
+    return attention_mask[..., -T:] if attention_mask.shape[-1] != T else attention_mask
+
+
 def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, scaling: float, rank: int) -> torch.Tensor:
     """Softmax attention of all heads over one shared latent key; the value is the key's first `rank` dims.
 
@@ -358,13 +373,7 @@ def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, 
         latent = unblock_latent(latent)  # another kernel: the rows (a copy)
     T = latent.shape[1]
     key = latent.unsqueeze(1)  # [B, 1, T, E]
-    if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
-            raise TransMLAError(
-                f"Absorb got an attention mask of type {type(attention_mask).__name__}: only sdpa/eager 4D masks are supported.",
-                "load the model with attn_implementation='sdpa' (the default) or 'eager'.",
-            )
-        attention_mask = attention_mask[..., -T:] if attention_mask.shape[-1] != T else attention_mask
+    attention_mask = _mask_to(attention_mask, T)
     # The value is the key itself (its first r dims are c): equal q/k/v widths keep SDPA on its fused
     # kernel on CPU (a narrower value falls back to the slow math kernel); the extra R columns of
     # output are dropped.
@@ -426,12 +435,15 @@ def scaled_latent_attention(query: torch.Tensor, latent: torch.Tensor, key_scale
         pos = torch.arange(S, device=query.device)[:, None] + (T - S)  # bottom-right causal
         attention_mask = (pos >= torch.arange(T, device=query.device)[None, :])[None, None]
     else:
-        attention_mask = attention_mask[..., -T:] if attention_mask.shape[-1] != T else attention_mask
+        attention_mask = _mask_to(attention_mask, T)
     if attention_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attention_mask, float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        # A left-padded query row attends nothing: softmax of all -inf is NaN, which the next layer's latent
+        # would carry into every later token; stock SDPA gives such a row zeros, and so does this.
+        p = p.masked_fill(~attention_mask.any(dim=-1, keepdim=True), 0.0).to(latent.dtype)
     else:
-        scores = scores + attention_mask.float()
-    p = torch.softmax(scores, dim=-1).to(latent.dtype)
+        p = torch.softmax(scores + attention_mask.float(), dim=-1).to(latent.dtype)
     return torch.matmul(p, latent[..., :rank].unsqueeze(1))  # [B, h, S, r]
 
 
@@ -542,17 +554,30 @@ def disable_absorb(model):
     return model
 
 
+def _fold_of(model) -> bool | None:
+    """The `fold` argument that rebuilds an absorbed model's form: True / False when the query and output are
+    both folded / both not, None (the per-shape choice, the only source of a mix) otherwise."""
+    attn = next(iter(_check_deepseek(model)))
+    q, o = "absorb_q_weight" in attn._buffers, "absorb_o_weight" in attn._buffers
+    return q if q == o else None
+
+
 def is_absorbed(model) -> bool:
     return any("forward" in m.__dict__ and getattr(m.forward, "__func__", None) is absorbed_forward for m in model.modules())
 
 
 @contextlib.contextmanager
 def absorbed(model, enabled: bool = True, fold: bool | None = None):
-    """Context manager: the model absorbed (enabled=True) or stock (False) inside, as before after."""
+    """Context manager: the model absorbed (enabled=True) or stock (False) inside, as before after.
+
+    An absorbed model made stock inside is absorbed again after in the form it had (folded or not), its
+    matrices recomputed from the weights as they are then; packed copies of them (`runtime.packed`) are not
+    kept: pack again."""
     was = is_absorbed(model)
     if enabled and not was:
         enable_absorb(model, fold)
     elif not enabled and was:
+        fold = _fold_of(model)
         disable_absorb(model)
     try:
         yield model

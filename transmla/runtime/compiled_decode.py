@@ -71,7 +71,9 @@ class StaticLatentCache:
         """The tokens of a prefilled `LatentCache` in new buffers of `capacity` tokens, each sequence of
         the cache repeated to `batch` rows (batch must be a multiple of the cache's batch). blocked: the
         blocked layout (capacity rounded up to whole blocks); None = where the absorbed attention reads it
-        (`blocked_layout`: float32 on a CPU whose decode kernels are built)."""
+        (`blocked_layout`: float32 on a CPU whose decode kernels are built). The step gives the whole batch one
+        position and masks only what lies past it, so the cached sequences must be unpadded: a prefill of
+        one sequence (as the throughput stage makes) or of sequences of one length."""
         layers = [layer for layer in cache.layers if layer.is_initialized]
         if not layers or len(layers) != len(cache.layers):
             raise TransMLAError("The latent cache to copy has uninitialised layers.", "prefill it first (one forward over the prompt).")
@@ -248,7 +250,11 @@ def compiled_step(model: nn.Module, freezing: bool = True, gemm: str = "mkl"):
 def call_signature(ids: torch.Tensor, cache: StaticLatentCache) -> tuple:
     """What of a compiled step's inputs can change from call to call and select another graph: the ids'
     and every latent buffer's shape (the capacity, a dynamic dimension, only as "one" or "more": dynamo
-    specialises a size of 1), strides, dtype and device, the layout and the position's."""
+    specialises a size of 1), strides, dtype and device, the layout and the position's; and the module
+    settings the trace reads (`absorb.DECODE_KERNEL`, whether the CPU kernels are built), which dynamo
+    would otherwise guard on."""
+    from transmla.runtime import absorb
+
     def tensor(t: torch.Tensor, dynamic: int | None = None) -> tuple:
         shape = tuple(min(n, 2) if i == dynamic else n for i, n in enumerate(t.shape))
         # the strides outside a dynamic dimension scale with it: whether the tensor is contiguous instead
@@ -256,4 +262,4 @@ def call_signature(ids: torch.Tensor, cache: StaticLatentCache) -> tuple:
         return shape, stride, t.dtype, t.device, t.requires_grad
 
     return (tensor(ids), cache.blocked, tensor(cache.position),
-            tuple(tensor(b, dynamic=1) for b in cache.buffers))
+            tuple(tensor(b, dynamic=1) for b in cache.buffers), absorb.DECODE_KERNEL, cpu_kernels.available())
