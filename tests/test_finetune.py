@@ -162,6 +162,13 @@ def test_interrupted_run_resumes_from_last_checkpoint(converted, blocks, trained
         finetune(model, blocks[0], blocks[1], cfg, str(tmp_path), callbacks=[_Interrupt(8)])
     assert (tmp_path / "checkpoint-8").is_dir()
     model, _ = load_model(str(converted))  # a new process would start from the converted model again
+    with pytest.raises(TransMLAError, match="another run.*config differ: lr"):  # not this run's checkpoints
+        finetune(model, blocks[0], blocks[1], _cfg(lr=1e-3), str(tmp_path))
+    other, _ = load_model(str(converted))
+    with torch.no_grad():
+        other.model.layers[0].mlp.up_proj.weight.mul_(1.01)  # same shapes, other weights
+    with pytest.raises(TransMLAError, match="another run.*model differ"):
+        finetune(other, blocks[0], blocks[1], cfg, str(tmp_path))
     record = finetune(model, blocks[0], blocks[1], cfg, str(tmp_path))
     assert record["resumed_from"].endswith("checkpoint-8")
     assert record["steps"] == 16 and record["steps_this_run"] == 8
@@ -170,6 +177,39 @@ def test_interrupted_run_resumes_from_last_checkpoint(converted, blocks, trained
     assert record["val_loss_after"] == pytest.approx(ref["val_loss_after"], abs=1e-4)
     x = blocks[1][:2]
     assert (_logprobs(model, x) - _logprobs(ref_model, x)).abs().max() < 1e-3
+
+
+def test_resume_passes_over_a_checkpoint_cut_off_mid_save(tmp_path):
+    """Trainer writes trainer_state.json last: a newer folder without a readable one (killed mid-save) is
+    skipped for the newest complete checkpoint, so a restart does not fail on it every time."""
+    from transmla.training.finetune import last_checkpoint
+
+    assert last_checkpoint(str(tmp_path / "none")) is None
+    for step, state in ((4, "{}"), (8, None), (10, '{"global_st'), (12, "{}")):
+        d = tmp_path / f"checkpoint-{step}"
+        d.mkdir()
+        if state is not None:
+            (d / "trainer_state.json").write_text(state)
+        if step != 12:  # 12: a state, but its weights never written
+            (d / "model.safetensors").write_bytes(b"x")
+    assert last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-4")
+    (tmp_path / "checkpoint-12" / "model.safetensors").write_bytes(b"x")
+    assert last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-12")
+
+
+def test_bad_budget_and_teacher_are_refused_before_training(converted, blocks, tmp_path):
+    """Corpora shorter than max_tokens (Trainer would loop over them: more passes than `epochs`) and a teacher
+    of another vocabulary are refused with the fix named, before anything is written."""
+    from types import SimpleNamespace
+
+    model, _ = load_model(str(converted))
+    with pytest.raises(TransMLAError, match="lower finetune.max_tokens to at most 192"):
+        finetune(model, blocks[0][:3], blocks[1], _cfg(), str(tmp_path / "w"))
+    vocab = model.lm_head.weight.shape[0]
+    with pytest.raises(TransMLAError, match=f"vocabulary \\({vocab + 1} tokens\\)"):
+        finetune(model, blocks[0], blocks[1], _cfg(objective="kd"), str(tmp_path / "w"),
+                 teacher=SimpleNamespace(lm_head=torch.nn.Linear(4, vocab + 1)))
+    assert not (tmp_path / "w").exists()
 
 
 def test_attention_mode_trains_only_mla_projections(converted, blocks, tmp_path):

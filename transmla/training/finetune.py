@@ -29,6 +29,7 @@ teacher the validation KL (eval_kd) is logged too.
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -330,11 +331,55 @@ def training_arguments(cfg: FinetuneConfig, output_dir: str, eval_on_start: bool
 
 
 def last_checkpoint(output_dir: str) -> str | None:
-    from pathlib import Path
+    """The newest complete `checkpoint-N` of `output_dir`, or None. Trainer writes into the folder in place
+    and `trainer_state.json` last, so a run killed mid-save leaves a newer folder without a readable state:
+    resuming from it would fail on every restart, so it is passed over for the one before."""
+    import json
 
-    from transformers.trainer_utils import get_last_checkpoint
+    root = Path(output_dir)
+    if not root.is_dir():
+        return None
+    found = sorted((_step_of(str(d)), d) for d in root.glob("checkpoint-*") if d.is_dir() and d.name[11:].isdigit())
+    for _, d in reversed(found):
+        try:
+            json.loads((d / "trainer_state.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if any(d.glob("*.safetensors")):
+            return str(d)
+    return None
 
-    return get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
+
+def _model_fingerprint(model) -> list:
+    """Per parameter: name, shape and two float64 moments; tells apart two models of one shape (a resume
+    from another model's checkpoint) in about a second per billion weights."""
+    with torch.no_grad():
+        # 9 digits: the sums' last bits may follow the thread count; another model differs far above them
+        return [[n, list(p.shape), f"{p.double().sum().item():.9g}", f"{p.double().square().sum().item():.9g}"]
+                for n, p in model.named_parameters()]
+
+
+def _check_run(work_dir: str, cfg: FinetuneConfig, model, teacher, resume: str | None) -> None:
+    """Record what `work_dir`'s checkpoints are a run of (the config, the student and the teacher) and refuse
+    to resume another run's: a checkpoint carries weights, optimizer and schedule, not its settings."""
+    import json
+
+    run = {"config": cfg.model_dump(mode="json"), "model": _model_fingerprint(model),
+           "teacher": None if teacher is None else _model_fingerprint(teacher)}
+    path = Path(work_dir) / "run.json"
+    if resume is not None and path.is_file():
+        old = json.loads(path.read_text())
+        diff = [k for k in run if old.get(k) != run[k]]
+        if diff:
+            keys = [k for k in run["config"] if old.get("config", {}).get(k) != run["config"][k]]
+            raise TransMLAError(
+                f"{work_dir} holds checkpoints of another run (its {', '.join(diff)} differ"
+                f"{': ' + ', '.join(keys) if keys else ''}); resuming would continue that run under these settings.",
+                "pass another --work-dir (or --out), or delete that folder to start over.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".run.json.{os.getpid()}")  # every process of a distributed run writes it
+    tmp.write_text(json.dumps(run))
+    os.replace(tmp, path)
 
 
 def _trainer_class():
@@ -456,11 +501,25 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
     from transformers import default_data_collator
 
     check_mla_model(model, cfg)
+    if teacher is not None and teacher.lm_head.weight.shape[0] != model.lm_head.weight.shape[0]:
+        raise TransMLAError(
+            f"The teacher's vocabulary ({teacher.lm_head.weight.shape[0]} tokens) is not the student's "
+            f"({model.lm_head.weight.shape[0]}): distillation compares their next-token distributions.",
+            "pass the original model the student was converted from as the teacher.")
     if cfg.needs_teacher and teacher is None:
         name, value = cfg.teacher_setting
         raise TransMLAError(f"finetune.{name}={value!r} distils from the original model, but no teacher was given.",
                             "pass the original model as the teacher, or use objective: lm with attn_weight: 0 "
                             "and layerwise_epochs: 0.")
+    needed = -(-cfg.max_tokens // cfg.seqlen)
+    if len(train) < needed:  # Trainer would loop over the blocks there are: more passes than `epochs` says
+        raise TransMLAError(
+            f"The corpora hold {len(train)} training blocks of {cfg.seqlen} tokens ({len(train) * cfg.seqlen} tokens), "
+            f"fewer than finetune.max_tokens={cfg.max_tokens} needs ({needed}).",
+            f"lower finetune.max_tokens to at most {len(train) * cfg.seqlen} (finetune.epochs repeats them), "
+            "or add corpora.")
+    resume = last_checkpoint(work_dir)
+    _check_run(work_dir, cfg, model, teacher, resume)
     torch.manual_seed(cfg.seed)
     unfold_latent_norms(model)
     counts = select_trainable(model, cfg.mode)
@@ -472,7 +531,6 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
         use_causal_padded_sdpa(teacher)
     # the budget's blocks (the seeded order's first), for both phases and every epoch
     train = train[: cfg.train_blocks(len(train))]
-    resume = last_checkpoint(work_dir)
     layerwise = _layerwise_phase(model, teacher, train, val, cfg, work_dir, resume)
     model.train()
     # A resumed run has its step-0 loss in the restored history.
