@@ -222,24 +222,30 @@ def test_decode_kernels_match_stock(mla, decode_kernel):
     assert (got - ref).abs().max() < TOL
 
 
+def _check_left_padded(model, ids, pads: dict[int, int], new_tokens: int) -> None:
+    """Left-pad row i of `ids` by pads[i]; greedy generation absorbed (LatentCache) gives the stock tokens and
+    finite log-probs within TOL of the stock ones."""
+    mask = torch.ones_like(ids)
+    for row, n in pads.items():
+        ids[row, :n], mask[row, :n] = 0, 0
+    kw = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+              pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        with absorbed(model):
+            got = model.generate(ids, past_key_values=LatentCache(model.config), **kw)
+    assert all(g.isfinite().all() for g in got.logits)
+    assert torch.equal(got.sequences, ref.sequences)
+    diff = max((a.log_softmax(-1) - b.log_softmax(-1)).abs().max().item() for a, b in zip(got.logits, ref.logits))
+    assert diff < TOL
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_left_padding(impl, decode_kernel):
     """Unequal prompts, left-padded: the absorbed path reads the same padding mask (bool or additive)."""
     model = _random_dsv3(**RANDOM["q_lora_bias"])
     model.set_attn_implementation(impl)
-    ids = _ids(model, batch=3, n=10)
-    mask = torch.ones_like(ids)
-    ids[0, :4], mask[0, :4] = 0, 0
-    ids[1, :2], mask[1, :2] = 0, 0
-    kw = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
-              output_logits=True, return_dict_in_generate=True)
-    with torch.no_grad():
-        ref = model.generate(ids, **kw)
-        with absorbed(model):
-            got = model.generate(ids, past_key_values=LatentCache(model.config), **kw)
-    assert torch.equal(got.sequences, ref.sequences)
-    diff = max((a.log_softmax(-1) - b.log_softmax(-1)).abs().max().item() for a, b in zip(got.logits, ref.logits))
-    assert diff < TOL
+    _check_left_padded(model, _ids(model, batch=3, n=10), {0: 4, 1: 2}, 12)
 
 
 def _tiny_qwen3_mla(impl):
@@ -266,20 +272,7 @@ def test_left_padding_with_key_scale(impl):
     """The scaled path (Qwen3 / Gemma 3 key norm) on left-padded prompts: a padded query row attends nothing;
     it must come out as zeros as in stock SDPA, not NaN that the next layer's latent spreads to every token."""
     model = _tiny_qwen3_mla(impl)
-    ids = torch.randint(1, 101, (3, 7), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    ids[1, :3], mask[1, :3] = 0, 0
-    ids[2, :5], mask[2, :5] = 0, 0
-    kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
-              output_logits=True, return_dict_in_generate=True)
-    with torch.no_grad():
-        ref = model.generate(ids, **kw)
-        with absorbed(model):
-            got = model.generate(ids, past_key_values=LatentCache(model.config), **kw)
-    assert all(g.isfinite().all() for g in got.logits)
-    assert torch.equal(got.sequences, ref.sequences)
-    diff = max((a.log_softmax(-1) - b.log_softmax(-1)).abs().max().item() for a, b in zip(got.logits, ref.logits))
-    assert diff < TOL
+    _check_left_padded(model, torch.randint(1, 101, (3, 7), generator=torch.Generator().manual_seed(1)), {1: 3, 2: 5}, 6)
 
 
 def test_absorb_refuses_a_2d_padding_mask():
