@@ -179,6 +179,23 @@ def test_interrupted_run_resumes_from_last_checkpoint(converted, blocks, trained
     assert (_logprobs(model, x) - _logprobs(ref_model, x)).abs().max() < 1e-3
 
 
+def test_fingerprint_moments_are_chunked_float64():
+    """The resume check's moments equal the whole-tensor float64 sums for any chunking (a partial last chunk,
+    bf16 weights), so it needs no float64 copy of a large matrix."""
+    from transmla.training.finetune import _moments
+
+    g = torch.Generator().manual_seed(0)
+    for p in (torch.randn(1000, 37, generator=g), torch.randn(513, generator=g).bfloat16(), torch.zeros(0)):
+        ref = (p.double().sum().item(), p.double().square().sum().item())
+        for chunk in (1, 100, 1 << 20):
+            s, q = _moments(p, chunk)
+            assert s == pytest.approx(ref[0], rel=1e-12, abs=1e-9) and q == pytest.approx(ref[1], rel=1e-12)
+    p = torch.randn(100, generator=g)
+    q = p.clone()
+    q[99] += 1e-3  # one weight in the last chunk moved
+    assert _moments(p, 16) != _moments(q, 16)
+
+
 def test_resume_passes_over_a_checkpoint_cut_off_mid_save(tmp_path):
     """Trainer writes trainer_state.json last: a newer folder without a readable one (killed mid-save) is
     skipped for the newest complete checkpoint, so a restart does not fail on it every time."""
