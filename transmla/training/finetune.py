@@ -462,27 +462,51 @@ def _trainer_class():
 
         def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
             inputs = self._prepare_inputs(inputs)
+            ids = inputs["input_ids"]
+            objective = "lm" if self.teacher is None else "kd"
             with torch.no_grad():
-                _, parts = self._losses(model, inputs["input_ids"], "lm" if self.teacher is None else "kd")
-            n = len(inputs["input_ids"])
-            self._eval_kd[0] += (parts["kd"] or 0.0) * n
-            self._eval_kd[1] += n
-            self._eval_kd[2] += (parts.get("attn") or 0.0) * n
-            return torch.tensor(parts["lm"]), None, None  # eval_loss: next-token cross-entropy, any objective
+                if self.accelerator.num_processes == 1:
+                    rows = [self._losses(model, ids, objective)[1]] * len(ids)  # the batch's means, per block
+                else:
+                    # Block by block: the distributed sampler fills the last batch with repeated blocks, and
+                    # gather_for_metrics drops them only as rows, so a batch mean would count them in part.
+                    rows = [self._losses(model, ids[i:i + 1], objective)[1] for i in range(len(ids))]
+            # [n, 3]: cross-entropy, KL and attention error per block, every process's blocks counted once, so
+            # a run in N processes scores the validation blocks as one does
+            vals = torch.tensor([[r["lm"], r.get("kd") or 0.0, r.get("attn") or 0.0] for r in rows],
+                                dtype=torch.float64, device=ids.device)
+            vals = self.accelerator.gather_for_metrics(vals)
+            self._eval_sums[0] += vals.sum(0).cpu()
+            self._eval_sums[1] += len(vals)
+            # Trainer's eval_loss, from a tensor on the batch's device (it gathers it across processes, which
+            # NCCL does only for CUDA tensors); exact in one process, replaced by the sums' mean in several
+            lm = rows[0]["lm"] if self.accelerator.num_processes == 1 else sum(r["lm"] for r in rows) / len(rows)
+            return torch.tensor(lm, device=ids.device), None, None
 
         def evaluation_loop(self, *a, metric_key_prefix: str = "eval", **kw):
-            self._eval_kd = [0.0, 0, 0.0]
+            self._eval_sums = [torch.zeros(3, dtype=torch.float64), 0]
             out = super().evaluation_loop(*a, metric_key_prefix=metric_key_prefix, **kw)
-            if self.teacher is not None and self._eval_kd[1]:
-                out.metrics[f"{metric_key_prefix}_kd"] = self._eval_kd[0] / self._eval_kd[1]
-                if self.match is not None:
-                    out.metrics[f"{metric_key_prefix}_attn"] = self._eval_kd[2] / self._eval_kd[1]
+            sums, n = self._eval_sums
+            if n:
+                lm, kd, attn = (sums / n).tolist()
+                if self.accelerator.num_processes > 1:
+                    out.metrics[f"{metric_key_prefix}_loss"] = lm
+                if self.teacher is not None:
+                    out.metrics[f"{metric_key_prefix}_kd"] = kd
+                    if self.match is not None:
+                        out.metrics[f"{metric_key_prefix}_attn"] = attn
             return out
 
         def log(self, logs, start_time=None):
-            if "loss" in logs:  # the parts of the losses logged since the last train-loss entry
-                for k, v in self._parts.items():
-                    logs[f"{k}_loss"] = round(sum(v) / len(v), 6)
+            if "loss" in logs and self._parts:  # the parts of the losses logged since the last train-loss entry
+                # averaged over the processes too, as Trainer averages `loss` (every process logs here, and
+                # every one has the same parts: one objective)
+                keys = sorted(self._parts)
+                means = torch.tensor([sum(self._parts[k]) / len(self._parts[k]) for k in keys], dtype=torch.float64,
+                                     device=self.args.device)
+                means = self.accelerator.reduce(means, "mean")
+                for k, m in zip(keys, means.tolist(), strict=True):
+                    logs[f"{k}_loss"] = round(m, 6)
                 self._parts = {}
             super().log(logs, start_time)
 
