@@ -81,8 +81,13 @@ def test_pack_corpus_is_seeded_and_split_by_document(converted):
     docs = [tok(d, add_special_tokens=False)["input_ids"] for ds in corpora.values() for d in ds if d.strip()]
     held, trained = _docs_of(va1, docs, tok.eos_token_id), _docs_of(tr1, docs, tok.eos_token_id)
     assert held and trained and not held & trained
-    with pytest.raises(TransMLAError, match="val_tokens"):
+    with pytest.raises(TransMLAError, match="lower finetune.val_tokens"):
         pack_corpus(tok, corpora, seqlen=32, val_tokens=10**7, seed=1)
+    # one block shared by three corpora of about a third each: every share rounds to none, so the fix is more
+    thirds = {f"c4-{i}": load_documents("c4-demo")[10 * i : 10 * i + 10] for i in range(3)}
+    with pytest.raises(TransMLAError, match="raise finetune.val_tokens"):
+        pack_corpus(tok, thirds, seqlen=32, val_tokens=32, seed=1)
+    assert len(pack_corpus(tok, thirds, seqlen=32, val_tokens=96, seed=1)[1]) == 3
 
 
 def test_pack_corpus_holds_out_a_contiguous_span_of_a_running_text(converted):

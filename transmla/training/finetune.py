@@ -112,7 +112,10 @@ def pack_corpus(tokenizer, corpora: dict[str, list[str]], seqlen: int, val_token
         raise TransMLAError(f"The fine-tune corpora hold fewer than {seqlen} tokens.", "add data or lower finetune.seqlen.")
     if not len(train) or not len(val):
         raise TransMLAError(f"val_tokens={val_tokens} leaves {len(train)} training and {len(val)} validation blocks "
-                            f"of {seqlen} tokens ({total} tokens in all).", "lower finetune.val_tokens.")
+                            f"of {seqlen} tokens ({total} tokens in all).",
+                            "lower finetune.val_tokens." if not len(train) else
+                            f"raise finetune.val_tokens: each corpus holds out its share of it in whole {seqlen}-token "
+                            f"blocks, and every share here rounded to none.")
     order = list(range(len(train)))
     rng.shuffle(order)
     train = train[order]
