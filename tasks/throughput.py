@@ -24,6 +24,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from transmla.io.sources import load_model
+from transmla.runtime import hugepages
 from transmla.runtime.absorb import enable_absorb
 from transmla.runtime.throughput import (GIB, bound_fields, decode_step, floor_fields, kv_bytes_per_token,
                                          kv_capacity_tokens, measure, memory_bandwidth, peak_flops, readings_summary)
@@ -71,6 +72,11 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
 
     models = {"original": load_model(original["path"], device=device)[0],
               "converted": load_model(converted["path"], device=device)[0]}
+    # on CPU every run's weights and preallocated decode cache in 2 MB pages (runtime.hugepages), the
+    # baselines' as much as the converted model's: a decode step streams them all, and in the 4 KB pages of
+    # the safetensors mapping that is a TLB miss per 4 KB and a prefetcher stopped at every page boundary
+    on_cpu = str(device).startswith("cpu")
+    pages = {name: hugepages.to_hugepages(m) for name, m in models.items()} if on_cpu else {}
     # the copy bandwidth and the matmul peak read before the runs, before every steady-decode cell and after
     # them: the bounds and floors divide by the median readings (`readings_summary`), one reading swings
     # with the host's load
@@ -78,7 +84,7 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
     readings, peaks = [], []
 
     def read():
-        readings.append(memory_bandwidth(device))
+        readings.append(memory_bandwidth(device, hugepages=on_cpu))
         peaks.append(peak_flops(device, dtype, threads=threads))
 
     read()
@@ -105,7 +111,8 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
             read()
             row = median_row([decode_step(m, backend, context, batch, steps=steps, threads=threads, seed=i,
                                           packed_weights=packed_weights and label in PACKED_RUNS,
-                                          compiled=compiled_decode and label in COMPILED_RUNS, gemm=gemm)
+                                          compiled=compiled_decode and label in COMPILED_RUNS, gemm=gemm,
+                                          hugepages=on_cpu)
                               for i in range(repeats)])
             gemm = row.get("gemm") or gemm
             row["bandwidth_before_bytes_per_s"] = readings[-1]["bytes_per_s"]
@@ -124,6 +131,7 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
     out["kv"] = {label: {"bytes_per_token": b, "capacity_tokens": kv_capacity_tokens(b, mem),
                          "capacity_ratio": kv["original"] / b} for label, b in kv.items()}
     out["cache_memory_gib"] = cache_memory_gib
+    out["hugepages"] = pages
     return save_json("throughput", out)
 
 
@@ -210,6 +218,18 @@ def table(result: dict, title: str) -> str:
         lines += ["GEMM kernel chosen by measurement on this CPU (`packed.fastest_kernel`: one pass of the batch "
                   "through every linear weight): " + ", ".join(f"{GEMM_NAMES.get(k, k)} {v:.0f} ms" for k, v in pass_ms.items())
                   + ".", ""]
+    pages = result.get("hugepages") or {}
+    if pages:
+        moved = {k: v for k, v in pages.items() if v.get("moved")}
+        cached = sorted({r["run"] for r in result["decode"] if r.get("cache_hugepages")}, key=[x[0] for x in RUNS].index)
+        if moved:
+            lines += ["Memory pages: every run's weights in 2 MB pages (`transmla.runtime.hugepages`, transparent huge "
+                      "pages; " + ", ".join(f"{k} {v['hugepage_bytes'] / 2**20:.0f} of {v['bytes'] / 2**20:.0f} MiB backed "
+                                            "by them" for k, v in moved.items())
+                      + ")" + (f"; the preallocated decode caches of {' and '.join(cached)} too" if cached else "")
+                      + "; the bandwidth copies from 2 MB pages as well.", ""]
+        else:
+            lines += ["Memory pages: 4 KB (" + "; ".join(sorted({v.get("reason") or "" for v in pages.values()})) + ").", ""]
     if bw:
         host = f"{bw['processor']}; " if bw.get("processor") else ""
         lo, hi = bw["range_bytes_per_s"]

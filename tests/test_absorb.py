@@ -822,6 +822,35 @@ def test_compiled_decode_in_decode_step(tiny_pair):
     assert static["latent_layout"] is None
 
 
+def test_compiled_decode_over_a_latent_cache_in_huge_pages(tiny_pair):
+    """The static latent cache moved into 2 MB pages (throughput.cache_to_hugepages) is the same input to
+    the compiled step: the same graph, the same logits at every step as over the cache where it was."""
+    from transmla.runtime import hugepages
+    from transmla.runtime.compiled_decode import StaticLatentCache, compiled_step
+    from transmla.runtime.throughput import cache_to_hugepages
+
+    if not hugepages.supported():
+        pytest.skip("no transparent huge pages on this kernel")
+    _, mla = tiny_pair("llama")
+    ids = _ids(mla, batch=2, n=10)
+    with absorbed(mla), torch.no_grad():
+        prefill = LatentCache(mla.config)
+        mla(ids[:, :5], past_key_values=prefill, use_cache=True)
+        here = StaticLatentCache.from_latent_cache(prefill, batch=2, capacity=20)
+        moved = StaticLatentCache.from_latent_cache(prefill, batch=2, capacity=20)
+        assert cache_to_hugepages(moved) is True
+        assert all(b.data_ptr() % hugepages.HUGE == 0 for b in moved.buffers)
+        step = compiled_step(mla)
+        for t in range(5, 10):
+            assert torch.equal(step(ids[:, t : t + 1], here), step(ids[:, t : t + 1], moved))
+            here.advance()
+            moved.advance()
+    for a, b in zip(here.buffers, moved.buffers, strict=True):
+        assert torch.equal(a, b)
+    row = decode_step(mla, "absorb", context=12, batch=2, steps=2, threads=1, compiled=True, hugepages=True)
+    assert row["cache_hugepages"] is True
+
+
 def test_compiled_decode_one_graph_for_every_context(tiny_pair):
     """On a model absorbed once (as the throughput task keeps it), every decode_step call, at any context
     and seed, reuses one compiled graph: the capacity is dynamic and the absorbed matrices stay the same

@@ -425,6 +425,17 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
     assert "converted absorb: each step one torch.compile graph" in md and "compiling took" in md
     assert ("GEMM kernel chosen by measurement" in md) is packable and result["bandwidth"]["processor"] in md
     assert "single-token attention over the latent: " in md
+    # on CPU every run's weights, the preallocated caches and the bandwidth copy in 2 MB pages, where the kernel has them
+    from transmla.runtime import hugepages
+
+    thp = hugepages.supported()
+    assert set(result["hugepages"]) == {"original", "converted"}
+    for report in result["hugepages"].values():
+        assert (report["moved"] > 0) is thp and (report["reason"] is None) is thp
+    for r in result["decode"]:
+        assert r["cache_hugepages"] is (thp and r["run"] in ("original static", "converted absorb"))
+    assert result["bandwidth"]["hugepages"] is thp
+    assert ("Memory pages: every run's weights in 2 MB pages" in md) is thp
     assert (out / "fig6_speedup.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((out / "results.json").read_text())["kv"] == result["kv"]
     runs = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.model` = 'tput'",
