@@ -26,6 +26,7 @@ from prefect.cache_policies import NO_CACHE
 from transmla.io.sources import load_model
 from transmla.runtime import hugepages
 from transmla.runtime.absorb import enable_absorb
+from transmla.runtime.packed import OP_KERNELS
 from transmla.runtime.throughput import (GIB, bound_fields, decode_step, floor_fields, kv_bytes_per_token,
                                          kv_capacity_tokens, measure, memory_bandwidth, peak_flops, readings_summary)
 
@@ -47,7 +48,8 @@ COMPILED_RUNS = ("converted absorb",)
 ATTENTION_NAMES = {"cpu": "this project's C++ latent kernel (`transmla.runtime.cpu_kernels`)",
                    "sdpa": "PyTorch's SDPA", "bmm": "two batched matmuls", "triton": "the Triton split-K kernel"}
 GEMM_NAMES = {"mkl": "MKL's packed sgemm", "onednn": "oneDNN's blocked layout",
-              "stream": "the stream kernel on the stock layout (`transmla.runtime.cpu_kernels`)"}
+              "stream": "the stream kernel on the stock layout (`transmla.runtime.cpu_kernels`)",
+              "tiled": "the tiled kernel on a copy packed k-major in 48-column tiles (`transmla.runtime.cpu_kernels`)"}
 
 
 def median_row(rows: list[dict]) -> dict:
@@ -196,12 +198,14 @@ def table(result: dict, title: str) -> str:
                   "PyTorch's F.linear.", ""]
     elif packed:
         lines += [f"{' and '.join(packed)}: every linear layer on weights prepacked once for the batch ({gemm_name}, "
-                  "`transmla.runtime.packed`; the packed copy takes about the weights' memory once more); the "
-                  "stock runs on PyTorch's own weight layout.", ""]
+                  "`transmla.runtime.packed`; the packed copy takes about the weights' memory once more"
+                  + ("; the tiled copies in 2 MB pages where the kernel offers them" if "tiled" in gemm else "")
+                  + "); the stock runs on PyTorch's own weight layout.", ""]
     compiled = [r for r in result["decode"] if r.get("compiled")]
     if compiled:
         first_compile = max(r.get("compile_s") or 0 for r in compiled)
-        how = (f"weights frozen, every linear one call of {gemm_name}" if stream
+        ours = bool(gemm) and gemm <= set(OP_KERNELS)  # this project's kernels: operator calls in the graph
+        how = (f"weights frozen, every linear one call of {gemm_name}" if ours
                else f"weights frozen and prepacked by it for {gemm_name}")
         lines += [f"{' and '.join(sorted({r['run'] for r in compiled}))}: each step one torch.compile graph (inductor, "
                   f"{how}) over a static latent cache "

@@ -487,7 +487,7 @@ needs_packing = pytest.mark.skipif(not _packed_kernels(), reason="PyTorch built 
 
 
 @needs_packing
-@pytest.mark.parametrize("kernel", ["mkl", "onednn", "stream"])
+@pytest.mark.parametrize("kernel", ["mkl", "onednn", "stream", "tiled"])
 @pytest.mark.parametrize("fold", [None, True, False])
 def test_packed_weights_decode_like_the_stock_layout(mla, fold, kernel, monkeypatch):
     """Every linear layer (and Absorb's folded matrices) on weights packed for the batch: the absorbed
@@ -517,7 +517,8 @@ def test_packed_weights_decode_like_the_stock_layout(mla, fold, kernel, monkeypa
             got = _incremental(mla, ids, 6, LatentCache(mla.config))
         assert set(mla.state_dict()) == keys  # the packed copies are invisible to saving
     assert (got - ref).abs().max() < TOL
-    op = {"mkl": "mkl::_mkl_linear", "onednn": "mkldnn::_linear_pointwise", "stream": "transmla::stream_linear"}[kernel]
+    op = {"mkl": "mkl::_mkl_linear", "onednn": "mkldnn::_linear_pointwise", "stream": "transmla::stream_linear",
+          "tiled": "transmla::tiled_linear"}[kernel]
     assert op in {e.key for e in prof.key_averages()}
     step_calls = [has for has, rows in calls if rows == B]  # the decode steps' products: all on packed weights
     assert all(step_calls) and len(step_calls) >= (20 - 6) * mla.config.num_hidden_layers
@@ -758,30 +759,95 @@ def test_compiled_decode_on_onednn_gemms(tiny_pair):
     assert "mkldnn::_linear_pointwise" in ops and "mkl::_mkl_linear" not in ops
 
 
-@pytest.mark.skipif("stream" not in _packed_kernels(), reason="no AVX2 CPU or no C++ toolchain for the stream kernel")
-def test_compiled_decode_on_the_stream_kernel(tiny_pair):
-    """gemm="stream": every linear of the compiled step is one transmla::stream_linear call on the stock
-    weights (no MKL or oneDNN linear left in the graph); the log-probs are the stock forward's; compiling
-    it for a model whose linears are not packed with the kernel is refused."""
+@pytest.mark.parametrize("kernel", ["stream", "tiled"])
+def test_compiled_decode_on_this_projects_gemm_kernels(tiny_pair, kernel):
+    """gemm="stream" / "tiled": every linear of the compiled step is one call of that operator (on the
+    stock weights, or on their tiled copies), no MKL or oneDNN linear left in the graph; the log-probs are
+    the stock forward's; compiling it for a model whose linears are not packed with the kernel is refused."""
     from transmla.runtime import packed
     from transmla.runtime.compiled_decode import compiled_step
 
+    if kernel not in _packed_kernels():
+        pytest.skip(f"no {kernel} kernel here (stream: AVX2 and a C++ toolchain; tiled: AVX-512 too)")
     _, mla = tiny_pair("llama")
     ids = _ids(mla, batch=3, n=10)
     prompt = 6
     ref = _logprobs(mla, ids)
     torch._dynamo.reset()
     with absorbed(mla):
-        with pytest.raises(TransMLAError, match="kernel='stream'"):
-            compiled_step(mla, gemm="stream")
-        with packed.packed(mla, batch=3, kernel="stream") as used:
-            assert used == "stream"
-            got, ops = _compiled_decode(mla, ids, prompt, "stream")
+        with pytest.raises(TransMLAError, match=f"kernel='{kernel}'"):
+            compiled_step(mla, gemm=kernel)
+        with packed.packed(mla, batch=3, kernel="stream" if kernel == "tiled" else "tiled"):
+            with pytest.raises(TransMLAError, match=f"kernel='{kernel}'"):  # packed, but for the other kernel
+                compiled_step(mla, gemm=kernel)
+        with packed.packed(mla, batch=3, kernel=kernel) as used:
+            assert used == kernel
+            got, ops = _compiled_decode(mla, ids, prompt, kernel)
     assert (got - ref[:, prompt:]).abs().max() < TOL
-    assert "transmla::stream_linear" in ops
+    assert f"transmla::{kernel}_linear" in ops
     assert not ops & {"mkldnn::_linear_pointwise", "mkl::_mkl_linear", "aten::addmm", "aten::linear"}
     # the attention: "auto" on CPU is this project's latent kernel over the blocked static cache, one call in the graph
     assert "transmla::latent_decode_blocked_cpu" in ops and "aten::_scaled_dot_product_flash_attention_for_cpu" not in ops
+
+
+@pytest.mark.skipif("tiled" not in _packed_kernels(), reason="no AVX-512 CPU or no C++ toolchain for the tiled kernel")
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 17])
+def test_tiled_kernel_equals_linear(rows):
+    """transmla::tiled_linear on `tile_weight`'s copy = F.linear for any row count (8-row register blocks,
+    a ragged last block), output widths below, at and past a tile of 48 (a ragged last tile, masked),
+    with and without bias, leading batch dimensions; the layout is tiles of 48 columns, k-major, zero past
+    N; it refuses a packed weight that does not match."""
+    from transmla.runtime.cpu_kernels import TILE, tile_weight, tiled_linear
+
+    g = torch.Generator().manual_seed(rows)
+    for k, n in [(13, 5), (64, 48), (600, 49), (33, 150)]:
+        x, w, b = torch.randn(2, rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        p = tile_weight(w)
+        assert p.shape == (-(-n // TILE), k, TILE) and p.is_contiguous()
+        assert torch.equal(p.transpose(1, 2).reshape(-1, k)[:n], w) and not p.transpose(1, 2).reshape(-1, k)[n:].any()
+        for bias in (b, None):
+            want = torch.nn.functional.linear(x, w, bias)
+            got = tiled_linear(x, p, bias, n)
+            assert got.shape == want.shape
+            assert (got - want).abs().max() < 1e-4 * want.abs().max()
+        assert torch.equal(tiled_linear(x[:, :0], p, b, n), x.new_empty(2, 0, n))
+    with pytest.raises(RuntimeError, match="out_features does not match"):
+        tiled_linear(x, p, None, n + TILE)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        tiled_linear(x, p.transpose(0, 1), None, n)
+    with pytest.raises(RuntimeError, match="float32"):
+        tiled_linear(x.double(), p.double(), None, n)
+
+
+@pytest.mark.skipif("tiled" not in _packed_kernels(), reason="no AVX-512 CPU or no C++ toolchain for the tiled kernel")
+def test_tiled_copies_share_one_mapping_of_huge_pages_and_are_made_once():
+    """pack_all("tiled"): the copies of all weights lie in one mapping (each on its own 64-byte-aligned
+    storage, in the order given) where the kernel offers 2 MB pages, compute what the weights do, and are
+    made once per weight while it is unchanged."""
+    from transmla.runtime import hugepages, packed
+
+    ws = [torch.randn(n, 40) for n in (7, 48, 100)]
+    packs = packed.pack_all(ws, 8, "tiled")
+    x = torch.randn(8, 40)
+    for w, p in zip(ws, packs):
+        assert p.kernel == "tiled" and p.weight is not None
+        assert (packed.linear(x, w, None, p) - x @ w.T).abs().max() < 1e-4
+    if hugepages.supported():
+        ptrs = [p.data.data_ptr() for p in packs]
+        assert all(q % 64 == 0 for q in ptrs) and ptrs == sorted(ptrs)
+        assert ptrs[-1] - ptrs[0] < 2 * sum(p.data.numel() * 4 for p in packs)  # one region, not a mapping each
+        assert ptrs[0] % hugepages.HUGE == 0
+    # packing the same weights again hands out the same copies (a compiled step holds them as constants);
+    # a weight changed in place or given new memory gets a new copy with its new values
+    again = packed.pack_all(ws, 8, "tiled")
+    assert all(a.data is p.data for a, p in zip(again, packs))
+    with torch.no_grad():
+        ws[0].mul_(2)
+    ws[1].data = torch.randn(48, 40)
+    fresh = packed.pack_all(ws, 8, "tiled")
+    assert fresh[0].data is not packs[0].data and fresh[1].data is not packs[1].data and fresh[2].data is packs[2].data
+    for w, p in zip(ws, fresh):
+        assert (packed.linear(x, w, None, p) - x @ w.T).abs().max() < 1e-4
 
 
 @pytest.mark.skipif("stream" not in _packed_kernels(), reason="no AVX2 CPU or no C++ toolchain for the stream kernel")

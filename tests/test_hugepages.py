@@ -36,6 +36,24 @@ def test_empty_is_aligned_and_outlives_its_mapping_object():
 
 
 @needs_thp
+def test_empty_many_lays_tensors_out_in_one_mapping():
+    """empty_many: one 2 MB-aligned region, each tensor its own storage on a 64-byte line in the order
+    given (no page each for small tensors); an empty shape is refused with the reason."""
+    a, b, c = hp.empty_many([((3,), torch.float32), ((5, 7), torch.float64), ((1000, 600), torch.float32)])
+    assert (a.shape, b.shape, c.shape) == ((3,), (5, 7), (1000, 600)) and b.dtype == torch.float64
+    assert a.data_ptr() % hp.HUGE == 0
+    assert b.data_ptr() - a.data_ptr() == 64 and c.data_ptr() - b.data_ptr() == 320  # 280 bytes, to a whole line
+    assert len({t.untyped_storage().data_ptr() for t in (a, b, c)}) == 3 and a.storage_offset() == 0
+    c.fill_(1.0)
+    a.fill_(2.0)
+    assert float(c.sum()) == c.numel() and float(a.sum()) == 6.0
+    with pytest.raises(ValueError, match="at least one element"):
+        hp.empty_many([((4,), torch.float32), ((0, 3), torch.float32)])
+    with pytest.raises(ValueError, match="at least one element"):
+        hp.empty((0,))
+
+
+@needs_thp
 def test_to_hugepages_keeps_the_model_bit_for_bit_and_its_ties():
     model = _tiny_llama(tied=True)
     ids = torch.randint(0, 97, (2, 9))

@@ -194,27 +194,27 @@ def compiled_step(model: nn.Module, freezing: bool = True, gemm: str = "mkl"):
     saw). gemm: the prepacked kernel of the frozen linears (`runtime.packed`: "mkl", inductor's choice
     at a static batch, or "onednn", its choice when the batch is a dynamic dimension, so "onednn" marks
     the batch of the ids and of the cache dynamic; `packed.fastest_kernel` says which is faster on this
-    CPU; or "stream", `runtime.cpu_kernels`'s kernel on the stock weights: the model must be packed with
-    it, `packed.pack(model, batch, kernel="stream")`, so that every linear is one call of that operator
-    in the graph, which inductor keeps as it is). The first call compiles (about a minute for a 30-layer
-    model on 2 CPU cores); a new batch size compiles again ("mkl", "stream"), a new capacity does not
+    CPU; or "stream" / "tiled", `runtime.cpu_kernels`'s kernels (`packed.OP_KERNELS`): the model must be
+    packed with it, `packed.pack(model, batch, kernel=gemm)`, so that every linear is one call of that
+    operator in the graph, which inductor keeps as it is). The first call compiles (about a minute for a
+    30-layer model on 2 CPU cores); a new batch size compiles again ("mkl", "stream", "tiled"), a new capacity does not
     (it is marked dynamic). A call whose inputs (`call_signature`) have run before skips dynamo's guard
     evaluation, so a model changed after the first call needs a new step (its frozen graph holds the old
     weights in any case). Raises TransMLAError when `check_compilable` fails, gemm is not one of
-    `packed.KERNELS` or, for "stream", the model is not packed with it.
+    `packed.KERNELS` or, for "stream" and "tiled", the model is not packed with it.
     """
     from transmla.runtime import cpu_kernels
-    from transmla.runtime.packed import ATTR, KERNELS
+    from transmla.runtime.packed import ATTR, KERNELS, OP_KERNELS
 
     check_compilable(model)
     cpu_kernels.available()  # built (or found missing) now, not while the graph is traced
     if gemm not in KERNELS:
         raise TransMLAError(f"Unknown GEMM kernel {gemm!r} for the compiled decode step.", f"use one of {KERNELS}.")
-    if gemm == "stream":
+    if gemm in OP_KERNELS:
         kinds = {getattr(getattr(m, ATTR, None), "kernel", None) for m in model.modules() if isinstance(m, nn.Linear)}
-        if kinds != {"stream"}:
-            raise TransMLAError("gemm='stream' compiles the stream kernel's calls, but the model's linears are not packed with it.",
-                                "call transmla.runtime.packed.pack(model, batch, kernel='stream') first.")
+        if kinds != {gemm}:
+            raise TransMLAError(f"gemm={gemm!r} compiles that kernel's calls, but the model's linears are not packed with it.",
+                                f"call transmla.runtime.packed.pack(model, batch, kernel={gemm!r}) first.")
     compiled = torch.compile(decode_step, dynamic=False)
     seen: set[tuple] = set()  # the call signatures (`call_signature`) a graph was compiled for
 
@@ -222,7 +222,7 @@ def compiled_step(model: nn.Module, freezing: bool = True, gemm: str = "mkl"):
         # freezing patched around every call, not passed as a compile option: inductor reads it when
         # it compiles, which is at the first call and at every recompile (torch.compile's `options`
         # did not reach it here: 111 ms per step unfrozen vs 69 ms frozen, SmolLM2 87.5%, 4K).
-        # cpp_wrapper, on the stream kernel: the graph's ~300 kernel and operator calls made from C++,
+        # cpp_wrapper, on this project's kernels: the graph's ~300 kernel and operator calls made from C++,
         # not from a Python wrapper (2-4 ms less per step of 60-68 ms, same logits, two runs side by
         # side, SmolLM2 87.5%, batch 8, 4K). The MKL and oneDNN graphs keep the Python wrapper: from C++ inductor
         # calls their linears past the profiler, which is how one sees which of the two it chose.
@@ -238,7 +238,7 @@ def compiled_step(model: nn.Module, freezing: bool = True, gemm: str = "mkl"):
         # one runs with the guards, which compile it. What the signature leaves out is the model, which
         # the frozen graph holds anyway: compile again after changing it.
         sig = call_signature(ids, cache)
-        with torch.no_grad(), inductor_config.patch(freezing=freezing, cpp_wrapper=gemm == "stream"), \
+        with torch.no_grad(), inductor_config.patch(freezing=freezing, cpp_wrapper=gemm in OP_KERNELS), \
                 torch.compiler.set_stance(skip_guard_eval_unsafe=True) if sig in seen else contextlib.nullcontext():
             logits = compiled(model, ids, cache)
         seen.add(sig)

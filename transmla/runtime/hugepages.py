@@ -17,6 +17,7 @@ when no tensor refers to it (its pages are clean, so the kernel drops them).
 
 from __future__ import annotations
 
+import math
 import mmap
 import re
 
@@ -53,26 +54,35 @@ def _mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     return buf, -torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr() % HUGE
 
 
-def _view(buf: mmap.mmap, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+def _view(buf: mmap.mmap, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A tensor over `buf` from byte `offset`: its own storage (storage_offset 0), which keeps `buf` mapped
     (torch.frombuffer holds it). Own storages, not views of one: safetensors and save_pretrained take
     tensors that share a storage for tied weights."""
-    shape = tuple(int(n) for n in shape)
-    numel = 1
-    for n in shape:
-        numel *= n
-    return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset).view(shape)
+    return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
+
+
+def empty_many(specs) -> list[torch.Tensor]:
+    """Uninitialised CPU tensors of the (shape, dtype) pairs in `specs`, all in one private anonymous
+    mapping advised for 2 MB pages (its first byte 2 MB-aligned), each with its own storage on a cache line
+    of its own (aligned vector loads, no false sharing). One mapping, not one per tensor: a tensor's last
+    huge page is mostly empty, and small tensors come along without a page each. Raises RuntimeError where
+    `supported()` is False, ValueError for an empty shape (no memory to map)."""
+    specs = [(tuple(int(n) for n in shape), dtype) for shape, dtype in specs]
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+    if not sizes or not all(sizes):
+        raise ValueError("hugepages.empty_many: every tensor needs at least one element.")
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // ALIGN) * ALIGN
+    buf, start = _mapping(total)
+    return [_view(buf, start + off, shape, dtype) for (shape, dtype), off in zip(specs, offsets)]
 
 
 def empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An uninitialised CPU tensor in a private anonymous mapping advised for 2 MB pages, its first byte
-    2 MB-aligned; the pages are the kernel's to give at first touch. Raises RuntimeError where
-    `supported()` is False."""
-    numel = 1
-    for n in shape:
-        numel *= int(n)
-    buf, start = _mapping(max(1, numel * torch.empty((), dtype=dtype).element_size()))
-    return _view(buf, start, shape, dtype)
+    """An uninitialised CPU tensor in a mapping of its own (`empty_many`); the pages are the kernel's to
+    give at first touch."""
+    return empty_many([(shape, dtype)])[0]
 
 
 def copy(t: torch.Tensor) -> torch.Tensor:
@@ -84,12 +94,10 @@ def copy(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def to_hugepages(module: nn.Module) -> dict:
-    """Move every CPU parameter and buffer of `module` into one mapping of 2 MB pages, in place
-    (`tensor.data` re-pointed: tied weights stay tied, the values are the same bits). One mapping, not
-    one per tensor: a tensor's last huge page is mostly empty, and the small tensors (norms, biases) come
-    along without a page each; each tensor still has its own storage. Returns {"moved": tensors, "bytes":
-    their size, "hugepage_bytes": how much of it the kernel backs with 2 MB pages (`hugepage_bytes`, at
-    most "bytes"), "reason": why nothing was moved, or None}."""
+    """Move every CPU parameter and buffer of `module` into one mapping of 2 MB pages (`empty_many`), in
+    place (`tensor.data` re-pointed: tied weights stay tied, the values are the same bits). Returns
+    {"moved": tensors, "bytes": their size, "hugepage_bytes": how much of it the kernel backs with 2 MB
+    pages (`hugepage_bytes`, at most "bytes"), "reason": why nothing was moved, or None}."""
     if not supported():
         return {"moved": 0, "bytes": 0, "hugepage_bytes": 0,
                 "reason": f"no transparent huge pages here (mode {thp_mode()!r}, Linux madvise needed)"}
@@ -100,28 +108,20 @@ def to_hugepages(module: nn.Module) -> dict:
             tensors.append(t)
     if not tensors:
         return {"moved": 0, "bytes": 0, "hugepage_bytes": 0, "reason": "no CPU tensors"}
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    offsets, total = [], 0
-    for n in sizes:  # each tensor on a cache line of its own (aligned vector loads; no false sharing)
-        offsets.append(total)
-        total += -(-n // ALIGN) * ALIGN
-    buf, start = _mapping(total)
-    moved = []
-    for t, off in zip(tensors, offsets):
-        dst = _view(buf, start + off, t.shape, t.dtype)
+    moved = empty_many([(t.shape, t.dtype) for t in tensors])
+    for t, dst in zip(tensors, moved):
         dst.copy_(t.data)
         t.data = dst
-        moved.append(dst)
+    nbytes = sum(t.numel() * t.element_size() for t in moved)
     # the mapping's huge pages, less the slack around the tensors (a page of it can be huge too)
-    huge = min(hugepage_bytes(moved), sum(sizes))
-    return {"moved": len(tensors), "bytes": sum(sizes), "hugepage_bytes": huge, "reason": None}
+    return {"moved": len(tensors), "bytes": nbytes, "hugepage_bytes": min(hugepage_bytes(moved), nbytes), "reason": None}
 
 
 def hugepage_bytes(tensors) -> int:
     """Bytes of the mappings holding `tensors` that the kernel backs with 2 MB pages now (the
     AnonHugePages of each of those mappings in /proc/self/smaps, each mapping counted once); 0 where
     smaps is not readable."""
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
     if not spans:
         return 0
     total, start, end = 0, None, None

@@ -18,12 +18,16 @@ MKL 30 ms and oneDNN 41 ms (unpacked 74 ms); on an AMD EPYC without AVX-512 MKL 
 - `stream`: `runtime.cpu_kernels`, which streams the stock [out, in] weights once per call with all
   the rows at once (no packed copy; built on first use, AVX2 CPUs): on that EPYC 32 ms per pass
   against oneDNN's 51 ms and MKL's 103 ms (one process).
+- `tiled`: `runtime.cpu_kernels`'s kernel on a copy packed k-major in tiles of 48 output columns (AVX-512
+  CPUs): on this project's AVX-512 EPYC 15.6 ms per pass against the stream kernel's 18.1 (one process,
+  weights in 2 MB pages). Its copies are placed in 2 MB pages where the kernel offers them
+  (`runtime.hugepages`), all of a model's in one mapping, since the kernel exists to stream them.
 
 So `pack(kernel="auto")` times every kernel this build has on the model's own weights
 (`fastest_kernel`: one pass over every linear, a fraction of a second) and packs with the fastest.
 MKL's and oneDNN's packed copies cost memory, about the weights' size once more (measured with MKL:
 +0.57 GB of RSS for the SmolLM2 87.5% export's 0.64 GB of parameters), since the stock weights stay:
-for saving, for prefill and any other number of rows; `stream` costs none. CPU-only, float32.
+for saving, for prefill and any other number of rows (`tiled`'s copy as well); `stream` costs none. CPU-only, float32.
 
     with packed(model, batch=8) as kernel:   # every nn.Linear (and Absorb's folded matrices) packed
         model(...)                           # same outputs to float32 rounding (another summation order)
@@ -51,7 +55,10 @@ ATTR = "_packed_weight"
 ABSORB_MATRICES = ("absorb_q_weight", "absorb_o_weight")
 
 
-KERNELS = ("mkl", "onednn", "stream")
+KERNELS = ("mkl", "onednn", "stream", "tiled")
+# this project's kernels (`runtime.cpu_kernels`): a compiled decode graph calls them as operators, up to
+# `batch` rows; more rows (a prefill) are a compute-bound GEMM, F.linear's
+OP_KERNELS = ("stream", "tiled")
 
 
 def kernels() -> list[str]:
@@ -65,6 +72,8 @@ def kernels() -> list[str]:
         have.append("onednn")
     if cpu_kernels.available():
         have.append("stream")
+        if cpu_kernels.has_avx512():
+            have.append("tiled")
     return have
 
 
@@ -76,31 +85,67 @@ def available(model) -> bool:
 
 class Packed:
     """A weight [out, in] packed for `batch` input rows by `kernel` (one of KERNELS), with the weight
-    itself for MKL's fallback at any other row count ("stream": the weight itself, nothing packed)."""
+    itself for the fallback at any other row count ("stream": the weight itself, nothing packed).
+    "tiled": `cpu_kernels.tile_weight`'s copy, `data` when given (`pack_all` keeps one per weight)."""
 
     __slots__ = ("data", "weight", "batch", "kernel")
 
-    def __init__(self, weight: torch.Tensor, batch: int, kernel: str = "mkl"):
+    def __init__(self, weight: torch.Tensor, batch: int, kernel: str = "mkl", data: torch.Tensor | None = None):
+        from transmla.runtime import cpu_kernels
+
         self.weight = weight.detach()
         self.batch = batch
         self.kernel = kernel
         if kernel == "stream":
             self.data = None  # it reads the stock weight
+        elif kernel == "tiled":
+            self.data = cpu_kernels.tile_weight(self.weight) if data is None else data
         elif kernel == "onednn":
             self.data = torch.ops.mkldnn._reorder_linear_weight(self.weight, batch)
         else:
             self.data = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, batch)
 
 
+# the "tiled" copy of each weight tensor (the Parameter or buffer object), kept while it lives and is
+# unchanged (its version counter and its memory, which `.data =` can replace): decode_step packs the model again for every run, and a compiled step
+# holds the copies it was traced with as constants, so new copies of the same weights would compile again
+_TILED = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def _tiled_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    state, data = _TILED.get(weight, (None, None))
+    return data if state == (weight._version, weight.data_ptr()) else None
+
+
+def pack_all(weights: list[torch.Tensor], batch: int, kernel: str) -> list[Packed]:
+    """`Packed` of each weight. "tiled": each weight's copy made once while it lives unchanged (`_TILED`;
+    packing the same weights again returns the same copies), the new ones all in one mapping of 2 MB pages
+    where the kernel offers them (`runtime.hugepages.empty_many`), else in ordinary memory."""
+    from transmla.runtime import cpu_kernels, hugepages
+
+    if kernel != "tiled":
+        return [Packed(w, batch, kernel) for w in weights]
+    todo = list({id(w): w for w in weights if _tiled_copy(w) is None}.values())
+    outs = [None] * len(todo)
+    if todo and hugepages.supported():
+        outs = hugepages.empty_many([((-(-w.shape[0] // cpu_kernels.TILE), w.shape[1], cpu_kernels.TILE), w.dtype)
+                                     for w in todo])
+    for w, out in zip(todo, outs):
+        _TILED[w] = ((w._version, w.data_ptr()), cpu_kernels.tile_weight(w.detach(), out))
+    return [Packed(w, batch, kernel, _tiled_copy(w)) for w in weights]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed_weight: Packed | None) -> torch.Tensor:
     """F.linear(x, weight, bias) [..., out], from `packed_weight` when there is one. x [..., in]. MKL runs
     its packed kernel when x has exactly `batch` rows and F.linear otherwise; oneDNN takes any rows; the
-    stream kernel up to `batch` rows (more, a prefill, is a compute-bound GEMM: F.linear's)."""
+    stream and tiled kernels up to `batch` rows (more, a prefill, is a compute-bound GEMM: F.linear's)."""
     if packed_weight is None:
         return F.linear(x, weight, bias)
-    if packed_weight.kernel == "stream":
+    if packed_weight.kernel in OP_KERNELS:
         if x.numel() > packed_weight.batch * x.shape[-1]:
             return F.linear(x, weight, bias)
+        if packed_weight.kernel == "tiled":
+            return torch.ops.transmla.tiled_linear(x, packed_weight.data, bias, weight.shape[0])
         # `weight` (the module's own tensor), not a copy: a compiled step guards on its identity, and
         # packing the same model again must not compile again
         return torch.ops.transmla.stream_linear(x, weight, bias)
@@ -115,7 +160,7 @@ def time_kernels(weights: list[torch.Tensor], batch: int, repeats: int = 3) -> d
     xs = {n: torch.randn(batch, n) for n in {w.shape[1] for w in weights}}
     out = {}
     for kernel in kernels():
-        packs = [Packed(w, batch, kernel) for w in weights]
+        packs = pack_all(weights, batch, kernel)
         best = None
         for i in range(repeats + 1):
             t = time.perf_counter()
@@ -181,20 +226,24 @@ def pack(model, batch: int = 8, kernel: str = "auto") -> str:
     if kernel not in kernels():
         raise TransMLAError(f"Packed kernel {kernel!r} is not available in this PyTorch build (it has {kernels()}).",
                             f"use one of {kernels()} or 'auto'.")
+    # (module, attribute the pack goes to, weight): every nn.Linear and Absorb's folded matrices
+    slots = []
     for mod in model.modules():
         if isinstance(mod, nn.Linear):
-            setattr(mod, ATTR, Packed(mod.weight, batch, kernel))
+            slots.append((mod, ATTR, mod.weight))
+        slots += [(mod, name + "_packed", mod._buffers[name]) for name in ABSORB_MATRICES if name in mod._buffers]
+    for (mod, attr, _), p in zip(slots, pack_all([w for _, _, w in slots], batch, kernel)):
+        mod.__dict__[attr] = p
+        if attr == ATTR:
             mod.forward = types.MethodType(_forward, mod)
-        for name in ABSORB_MATRICES:
-            if name in mod._buffers:
-                mod.__dict__[name + "_packed"] = Packed(mod._buffers[name], batch, kernel)
     return kernel
 
 
 def unpack(model) -> None:
     """Drop every packed weight, restore nn.Linear's own forward and give the freed pages back to the OS
     (the packed copies are mostly heap allocations below glibc's mmap threshold: without a trim the
-    process keeps their memory, and the next measurement's RSS would count it)."""
+    process keeps their memory, and the next measurement's RSS would count it). "tiled" copies stay while
+    their weights live unchanged (`pack_all`)."""
     for mod in model.modules():
         if ATTR in mod.__dict__:
             del mod.__dict__[ATTR]

@@ -565,8 +565,8 @@ def decode_step(
     `packed_weights`: every linear layer on weights prepacked for the batch (`runtime.packed`; CPU
     float32 only, ignored elsewhere; the row records whether it applied). `compiled` (backend "absorb"
     only): the steps run as one torch.compile graph over a static latent cache (`runtime.compiled_decode`,
-    inductor prepacks the weights itself, so `packed_weights` does not apply; with the "stream" GEMM kernel
-    the graph calls it on the stock weights); the first warm-up step
+    inductor prepacks the weights itself, so `packed_weights` does not apply; with this project's GEMM kernels,
+    "stream" or "tiled", the graph calls them on the stock or tiled weights); the first warm-up step
     compiles (or reuses the graph of an earlier call), its seconds are in the row as `compile_s`.
     `gemm`: the prepacked GEMM kernel of both (`runtime.packed.KERNELS`, or "auto": the faster on this CPU
     for the model's weights at this batch, `packed.fastest_kernel`); the row records the kernel used
@@ -612,7 +612,7 @@ def decode_step(
         # no_grad, not inference_mode, around a compiled run: its static cache is written in place by the
         # graph, and inductor freezes weights only with gradients off
         with absorbed(model, enabled=backend == "absorb") if is_mla(config) else contextlib.nullcontext(), \
-                packed.packed(model, enabled=packed_weights or (compiled and gemm_used == "stream"), batch=batch,
+                packed.packed(model, enabled=packed_weights or (compiled and gemm_used in packed.OP_KERNELS), batch=batch,
                               kernel=gemm_used), \
                 torch.no_grad() if compiled else torch.inference_mode():
             total = context + warmup_steps + steps
