@@ -14,6 +14,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "decode_gemm.h"
+
 namespace {
 
 constexpr int64_t kPrefetch = 512;     // floats ahead of the weight stream into L1 (2 KB)
@@ -57,38 +59,22 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& weight, const c1
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) TORCH_CHECK(bias->numel() == weight.size(0) && bias->scalar_type() == at::kFloat, "stream_linear: bias [N]");
   const int64_t K = weight.size(1), N = weight.size(0);
-  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const transmla_gemm::Operands op = transmla_gemm::operands(x, K, N, bias);
   const at::Tensor w = weight.contiguous();
-  const at::Tensor b = has_bias ? bias->contiguous() : at::Tensor();
-  const int64_t rows_total = x2.size(0);
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = N;
-  at::Tensor y = at::empty({rows_total, N}, x.options());
-  const float* xp = x2.data_ptr<float>();
+  const float* xp = op.x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
+  const float* bp = has_bias ? op.bias.data_ptr<float>() : nullptr;
+  float* yp = op.y.data_ptr<float>();
   const int64_t tiles = (N + kTile - 1) / kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTile, n1 = std::min(N, n0 + kTile);
-      for (int64_t m0 = 0; m0 < rows_total; m0 += 8) {
-        const float* xb = xp + m0 * K;
-        float* yb = yp + m0 * N;
-        switch (std::min<int64_t>(8, rows_total - m0)) {
-          case 8: rows<8>(xb, K, wp, n0, n1, yb, N, bp); break;
-          case 7: rows<7>(xb, K, wp, n0, n1, yb, N, bp); break;
-          case 6: rows<6>(xb, K, wp, n0, n1, yb, N, bp); break;
-          case 5: rows<5>(xb, K, wp, n0, n1, yb, N, bp); break;
-          case 4: rows<4>(xb, K, wp, n0, n1, yb, N, bp); break;
-          case 3: rows<3>(xb, K, wp, n0, n1, yb, N, bp); break;
-          case 2: rows<2>(xb, K, wp, n0, n1, yb, N, bp); break;
-          default: rows<1>(xb, K, wp, n0, n1, yb, N, bp); break;
-        }
-      }
+      transmla_gemm::row_blocks(op.rows, [&](auto M, int64_t m0) {
+        rows<decltype(M)::value>(xp + m0 * K, K, wp, n0, n1, yp + m0 * N, N, bp);
+      });
     }
   });
-  return y.view(out_shape);
+  return op.y.view(op.out_shape);
 }
 
 }  // namespace

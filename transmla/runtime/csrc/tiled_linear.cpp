@@ -15,6 +15,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "decode_gemm.h"
+
 namespace {
 
 constexpr int64_t kVecs = 3;              // AVX-512 vectors per tile row
@@ -65,38 +67,22 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& packed, const c10
   TORCH_CHECK(N > 0 && (N + kWidth - 1) / kWidth == tiles, "tiled_linear: out_features does not match the packed tiles");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) TORCH_CHECK(bias->numel() == N && bias->scalar_type() == at::kFloat, "tiled_linear: bias [N]");
-  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
-  const at::Tensor b = has_bias ? bias->contiguous() : at::Tensor();
-  const int64_t rows_total = x2.size(0);
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = N;
-  at::Tensor y = at::empty({rows_total, N}, x.options());
-  const float* xp = x2.data_ptr<float>();
+  const transmla_gemm::Operands op = transmla_gemm::operands(x, K, N, bias);
+  const float* xp = op.x.data_ptr<float>();
   const float* pp = packed.data_ptr<float>();
-  const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
+  const float* bp = has_bias ? op.bias.data_ptr<float>() : nullptr;
+  float* yp = op.y.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kWidth, cols = std::min(kWidth, N - n0);
       const float* pt = pp + t * K * kWidth;
       // more than 8 rows re-read the tile (K x 48 floats) from cache, not from memory
-      for (int64_t m0 = 0; m0 < rows_total; m0 += 8) {
-        const float* xb = xp + m0 * K;
-        float* yb = yp + m0 * N;
-        switch (std::min<int64_t>(8, rows_total - m0)) {
-          case 8: tile<8>(xb, K, pt, yb, N, n0, cols, bp); break;
-          case 7: tile<7>(xb, K, pt, yb, N, n0, cols, bp); break;
-          case 6: tile<6>(xb, K, pt, yb, N, n0, cols, bp); break;
-          case 5: tile<5>(xb, K, pt, yb, N, n0, cols, bp); break;
-          case 4: tile<4>(xb, K, pt, yb, N, n0, cols, bp); break;
-          case 3: tile<3>(xb, K, pt, yb, N, n0, cols, bp); break;
-          case 2: tile<2>(xb, K, pt, yb, N, n0, cols, bp); break;
-          default: tile<1>(xb, K, pt, yb, N, n0, cols, bp); break;
-        }
-      }
+      transmla_gemm::row_blocks(op.rows, [&](auto M, int64_t m0) {
+        tile<decltype(M)::value>(xp + m0 * K, K, pt, yp + m0 * N, N, n0, cols, bp);
+      });
     }
   });
-  return y.view(out_shape);
+  return op.y.view(op.out_shape);
 }
 
 }  // namespace
