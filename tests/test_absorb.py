@@ -846,6 +846,7 @@ def test_tiled_copies_share_one_mapping_of_huge_pages_and_are_made_once():
     ws[1].data = torch.randn(48, 40)
     fresh = packed.pack_all(ws, 8, "tiled")
     assert fresh[0].data is not packs[0].data and fresh[1].data is not packs[1].data and fresh[2].data is packs[2].data
+    assert packed.Packed(ws[2], 8, "tiled").data is fresh[2].data  # one mechanism, however a weight is packed
     for w, p in zip(ws, fresh):
         assert (packed.linear(x, w, None, p) - x @ w.T).abs().max() < 1e-4
 

@@ -73,7 +73,7 @@ def cpu_supports() -> bool:
 
 def has_avx512() -> bool:
     """True where the CPU has AVX-512F as well (`tiled_linear` needs it)."""
-    return cpu_supports() and "avx512f" in _cpu_flags()
+    return {"avx2", "fma", "avx512f"} <= _cpu_flags()
 
 
 def available() -> bool:

@@ -87,8 +87,15 @@ def empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 def copy(t: torch.Tensor) -> torch.Tensor:
     """`t`'s values in a new contiguous tensor from `empty` (same shape and dtype)."""
-    out = empty(t.shape, t.dtype)
-    out.copy_(t)
+    return copy_many([t])[0]
+
+
+def copy_many(tensors) -> list[torch.Tensor]:
+    """Each tensor's values in a new contiguous tensor (same shape and dtype), all in one mapping (`empty_many`)."""
+    tensors = list(tensors)
+    out = empty_many([(t.shape, t.dtype) for t in tensors])
+    for dst, t in zip(out, tensors):
+        dst.copy_(t)
     return out
 
 
@@ -108,9 +115,8 @@ def to_hugepages(module: nn.Module) -> dict:
             tensors.append(t)
     if not tensors:
         return {"moved": 0, "bytes": 0, "hugepage_bytes": 0, "reason": "no CPU tensors"}
-    moved = empty_many([(t.shape, t.dtype) for t in tensors])
+    moved = copy_many(t.data for t in tensors)
     for t, dst in zip(tensors, moved):
-        dst.copy_(t.data)
         t.data = dst
     nbytes = sum(t.numel() * t.element_size() for t in moved)
     # the mapping's huge pages, less the slack around the tensors (a page of it can be huge too)

@@ -86,20 +86,18 @@ def available(model) -> bool:
 class Packed:
     """A weight [out, in] packed for `batch` input rows by `kernel` (one of KERNELS), with the weight
     itself for the fallback at any other row count ("stream": the weight itself, nothing packed).
-    "tiled": `cpu_kernels.tile_weight`'s copy, `data` when given (`pack_all` keeps one per weight)."""
+    "tiled": the weight's copy by `cpu_kernels.tile_weight`, made once while it is unchanged (`tiled_copies`)."""
 
     __slots__ = ("data", "weight", "batch", "kernel")
 
     def __init__(self, weight: torch.Tensor, batch: int, kernel: str = "mkl", data: torch.Tensor | None = None):
-        from transmla.runtime import cpu_kernels
-
         self.weight = weight.detach()
         self.batch = batch
         self.kernel = kernel
         if kernel == "stream":
             self.data = None  # it reads the stock weight
-        elif kernel == "tiled":
-            self.data = cpu_kernels.tile_weight(self.weight) if data is None else data
+        elif kernel == "tiled":  # `data`: this weight's copy when the caller has it (pack_all makes them together)
+            self.data = tiled_copies([weight])[0] if data is None else data
         elif kernel == "onednn":
             self.data = torch.ops.mkldnn._reorder_linear_weight(self.weight, batch)
         else:
@@ -107,8 +105,9 @@ class Packed:
 
 
 # the "tiled" copy of each weight tensor (the Parameter or buffer object), kept while it lives and is
-# unchanged (its version counter and its memory, which `.data =` can replace): decode_step packs the model again for every run, and a compiled step
-# holds the copies it was traced with as constants, so new copies of the same weights would compile again
+# unchanged (its version counter and its memory, which `.data =` can replace): decode_step packs the
+# model again for every run, and a compiled step holds the copies it was traced with as constants, so new
+# copies of the same weights would compile again
 _TILED = torch.utils.weak.WeakIdKeyDictionary()
 
 
@@ -117,14 +116,12 @@ def _tiled_copy(weight: torch.Tensor) -> torch.Tensor | None:
     return data if state == (weight._version, weight.data_ptr()) else None
 
 
-def pack_all(weights: list[torch.Tensor], batch: int, kernel: str) -> list[Packed]:
-    """`Packed` of each weight. "tiled": each weight's copy made once while it lives unchanged (`_TILED`;
-    packing the same weights again returns the same copies), the new ones all in one mapping of 2 MB pages
-    where the kernel offers them (`runtime.hugepages.empty_many`), else in ordinary memory."""
+def tiled_copies(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each weight's `cpu_kernels.tile_weight` copy, made once while the weight lives unchanged (packing the
+    same weights again returns the same copies); the new ones all in one mapping of 2 MB pages where the
+    kernel offers them (`runtime.hugepages.empty_many`), else in ordinary memory."""
     from transmla.runtime import cpu_kernels, hugepages
 
-    if kernel != "tiled":
-        return [Packed(w, batch, kernel) for w in weights]
     todo = list({id(w): w for w in weights if _tiled_copy(w) is None}.values())
     outs = [None] * len(todo)
     if todo and hugepages.supported():
@@ -132,7 +129,14 @@ def pack_all(weights: list[torch.Tensor], batch: int, kernel: str) -> list[Packe
                                      for w in todo])
     for w, out in zip(todo, outs):
         _TILED[w] = ((w._version, w.data_ptr()), cpu_kernels.tile_weight(w.detach(), out))
-    return [Packed(w, batch, kernel, _tiled_copy(w)) for w in weights]
+    return [_tiled_copy(w) for w in weights]
+
+
+def pack_all(weights: list[torch.Tensor], batch: int, kernel: str) -> list[Packed]:
+    """`Packed` of each weight ("tiled": their copies made together, `tiled_copies`)."""
+    if kernel != "tiled":
+        return [Packed(w, batch, kernel) for w in weights]
+    return [Packed(w, batch, kernel, d) for w, d in zip(weights, tiled_copies(weights))]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed_weight: Packed | None) -> torch.Tensor:
@@ -243,7 +247,7 @@ def unpack(model) -> None:
     """Drop every packed weight, restore nn.Linear's own forward and give the freed pages back to the OS
     (the packed copies are mostly heap allocations below glibc's mmap threshold: without a trim the
     process keeps their memory, and the next measurement's RSS would count it). "tiled" copies stay while
-    their weights live unchanged (`pack_all`)."""
+    their weights live unchanged (`tiled_copies`)."""
     for mod in model.modules():
         if ATTR in mod.__dict__:
             del mod.__dict__[ATTR]
