@@ -501,13 +501,19 @@ def test_packed_weights_decode_like_the_stock_layout(mla, fold, kernel, monkeypa
     if kernel not in packed.kernels():
         pytest.skip(f"PyTorch built without {kernel}")
     keys, B = set(mla.state_dict()), 3
-    calls = []
-    real = packed.linear
+    calls, fused_calls = [], []
+    real, real_fused = packed.linear, packed.fused_linear
     monkeypatch.setattr(packed, "linear", lambda x, w, b, p: calls.append((p is not None, x.numel() // x.shape[-1])) or real(x, w, b, p))
+    monkeypatch.setattr(packed, "fused_linear", lambda x, g: fused_calls.append(len(g.sizes)) or real_fused(x, g))
     ids = _ids(mla, batch=B, n=20)
     ref = _logprobs(mla, ids)
     with absorbed(mla, fold=fold), packed.packed(mla, batch=B, kernel=kernel) as used:
         assert used == kernel
+        # "tiled": the linears of one input (an MLP's gate and up; the folded query and kv_a_proj without a q LoRA)
+        # packed side by side as one group; the other kernels keep one call per linear
+        groups = packed.sibling_linears(mla) if kernel == "tiled" else []
+        assert all(packed.one_group(*(m.__dict__[a] for m, a, _, _ in g)) for g in groups)
+        assert len(groups) >= mla.config.num_hidden_layers or kernel != "tiled"
         linears = [m for m in mla.modules() if isinstance(m, nn.Linear)]
         assert all(isinstance(getattr(m, packed.ATTR, None), packed.Packed) for m in linears)
         assert {getattr(m, packed.ATTR).kernel for m in linears} == {kernel}
@@ -522,7 +528,9 @@ def test_packed_weights_decode_like_the_stock_layout(mla, fold, kernel, monkeypa
     assert op in {e.key for e in prof.key_averages()}
     step_calls = [has for has, rows in calls if rows == B]  # the decode steps' products: all on packed weights
     assert all(step_calls) and len(step_calls) >= (20 - 6) * mla.config.num_hidden_layers
+    assert len(fused_calls) == (20 - 6) * len(groups)  # each group one call per decode step; the prefill: one F.linear each
     assert not packed.is_packed(mla) and all("forward" not in m.__dict__ for m in linears)
+    assert all("forward" not in m.__dict__ for m in mla.modules() if type(m).__name__ in packed.MLP_CLASSES)
     assert not any(packed.packed_buffer(m, n) for m in mla.modules() for n in packed.ABSORB_MATRICES)
     assert not any(n.endswith("_packed") for m in mla.modules() for n in m.__dict__)
 
@@ -849,6 +857,76 @@ def test_tiled_copies_share_one_mapping_of_huge_pages_and_are_made_once():
     assert packed.Packed(ws[2], 8, "tiled").data is fresh[2].data  # one mechanism, however a weight is packed
     for w, p in zip(ws, fresh):
         assert (packed.linear(x, w, None, p) - x @ w.T).abs().max() < 1e-4
+
+
+@pytest.mark.skipif("tiled" not in _packed_kernels(), reason="no AVX-512 CPU or no C++ toolchain for the tiled kernel")
+def test_linears_of_one_input_run_as_one_tiled_call(monkeypatch):
+    """tiled_groups: linears of one input packed side by side (ragged widths padded to whole tiles, the biases
+    joined with zeros where one has none): `linears` gives each one's F.linear from one kernel call up to
+    `batch` rows, and one call each past it or for a part of the group; each weight's tiled copy is its slice
+    of the group's (no second copy); packing again reuses the group, a changed weight renews it; weights of
+    different input widths are refused."""
+    from transmla.runtime import packed
+
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(n, 40, generator=g) for n in (7, 48, 100)]
+    bs = [torch.randn(7, generator=g), None, torch.randn(100, generator=g)]
+    (group,) = packed.tiled_groups([(ws, bs)])
+    assert group.offsets == [0, 48, 96] and group.sizes == [7, 48, 100] and group.width == 5 * 48
+    assert group.bias is not None and not group.bias[7:96].any() and not group.bias[196:].any()
+    packs = packed.pack_all(ws, 8, "tiled")
+    start, end = group.data.data_ptr(), group.data.data_ptr() + group.data.numel() * 4
+    assert all(start <= p.data.data_ptr() < end for p in packs)  # slices of the group's copy
+    assert not packed.one_group(*packs)  # packed one by one: no group until it is given
+    for p in packs:
+        p.group = group
+    assert packed.one_group(*packs) and not packed.one_group(*packs[:2]) and not packed.one_group(packs[0], None)
+    calls = []
+    real = packed.fused_linear
+    monkeypatch.setattr(packed, "fused_linear", lambda x, grp: calls.append(grp) or real(x, grp))
+    for rows, fused in ((1, 1), (6, 1), (8, 1), (9, 0)):
+        x = torch.randn(rows, 40, generator=g).view(1, rows, 40)
+        calls.clear()
+        outs = packed.linears(x, list(zip(ws, bs, packs)))
+        assert len(calls) == fused
+        for out, w, b in zip(outs, ws, bs):
+            want = torch.nn.functional.linear(x, w, b)
+            assert out.shape == want.shape and (out - want).abs().max() < 1e-4 * want.abs().max()
+    calls.clear()
+    (out,) = packed.linears(x[:, :3], list(zip(ws, bs, packs))[:1])  # part of a group: its own call
+    assert not calls and (out - torch.nn.functional.linear(x[:, :3], ws[0], bs[0])).abs().max() < 1e-4
+    assert packed.tiled_groups([(ws, bs)])[0] is group
+    with torch.no_grad():
+        ws[1].mul_(2)
+    (again,) = packed.tiled_groups([(ws, bs)])
+    assert again is not group and torch.equal(packed.tiled_copies([ws[1]])[0], again.data[1:2])
+    with pytest.raises(TransMLAError, match="one input width"):
+        packed.tiled_groups([([ws[0], torch.randn(3, 41)], [None, None])])
+
+
+@pytest.mark.skipif("tiled" not in _packed_kernels(), reason="no AVX-512 CPU or no C++ toolchain for the tiled kernel")
+def test_fused_query_and_latent_projection_with_biases_decode_like_the_stock_layout(monkeypatch):
+    """A DeepseekV3 with attention biases and no query LoRA, absorbed (query folded) and packed "tiled": the
+    folded query and kv_a_proj_with_mqa (its bias) run as one call per layer and step, gate and up as
+    another, and the decode gives the stock forward's log-probs, eager and compiled."""
+    from transmla.runtime import packed
+
+    model = _random_dsv3(attention_bias=True)
+    ids = _ids(model, batch=3, n=12)
+    ref = _logprobs(model, ids)
+    sizes = []
+    real = packed.fused_linear
+    monkeypatch.setattr(packed, "fused_linear", lambda x, g: sizes.append(tuple(g.sizes)) or real(x, g))
+    with absorbed(model, fold=True), packed.packed(model, batch=3, kernel="tiled"):
+        got = _incremental(model, ids, 6, LatentCache(model.config))
+        c = model.config
+        q_kv = (c.num_attention_heads * (c.kv_lora_rank + c.qk_rope_head_dim), c.kv_lora_rank + c.qk_rope_head_dim)
+        assert sizes.count(q_kv) == sizes.count((c.intermediate_size,) * 2) == 6 * c.num_hidden_layers
+        monkeypatch.undo()  # the compiled step traces the kernel call itself
+        torch._dynamo.reset()
+        compiled, ops = _compiled_decode(model, ids, 6, "tiled")
+    assert "transmla::tiled_linear" in ops
+    assert (got - ref).abs().max() < TOL and (compiled - ref[:, 6:]).abs().max() < TOL
 
 
 @pytest.mark.skipif("stream" not in _packed_kernels(), reason="no AVX2 CPU or no C++ toolchain for the stream kernel")

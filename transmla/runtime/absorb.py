@@ -476,9 +476,14 @@ def absorbed_forward(
 
     # Queries, absorbed: [W_UK^T q_nope ; q_rope] per head.
     x_q = hidden_states if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(hidden_states))
+    kv_a, compressed = self.kv_a_proj_with_mqa, None
     if "absorb_q_weight" in self._buffers:
-        q = packing.linear(x_q, self.absorb_q_weight, None, packing.packed_buffer(self, "absorb_q_weight"))
-        q = q.view(B, S, h, r + R).transpose(1, 2)  # [B, h, S, r + R]
+        q_pack, kv_pack = packing.packed_buffer(self, "absorb_q_weight"), getattr(kv_a, packing.ATTR, None)
+        if packing.one_group(q_pack, kv_pack):  # packed as one weight (both read the hidden state): one kernel call
+            q, compressed = packing.linears(x_q, [(self.absorb_q_weight, None, q_pack), (kv_a.weight, kv_a.bias, kv_pack)])
+        else:
+            q = packing.linear(x_q, self.absorb_q_weight, None, q_pack)
+        q = q.reshape(B, S, h, r + R).transpose(1, 2)  # [B, h, S, r + R]
         q_lat, q_rot = q.split([r, R], dim=-1)
     else:
         q_lin = self.q_proj if self.q_lora_rank is None else self.q_b_proj
@@ -488,7 +493,8 @@ def absorbed_forward(
         q_lat = torch.einsum("bhsd,hdr->bhsr", q_nope, self.absorb_w_uk)  # [B, h, S, r]
 
     # The latent exactly as the stock module builds it: c after kv_a_layernorm, k_pe after RoPE.
-    compressed = self.kv_a_proj_with_mqa(hidden_states)  # [B, S, r + R]
+    if compressed is None:
+        compressed = kv_a(hidden_states)  # [B, S, r + R]
     c_kv, k_rot = compressed.split([r, R], dim=-1)
     c_kv = self.kv_a_layernorm(c_kv)
     cos, sin = position_embeddings
