@@ -207,6 +207,9 @@ def table(result: dict, title: str) -> str:
         ours = bool(gemm) and gemm <= set(OP_KERNELS)  # this project's kernels: operator calls in the graph
         how = (f"weights frozen, every linear one call of {gemm_name}" if ours
                else f"weights frozen and prepacked by it for {gemm_name}")
+        if gemm == {"tiled"}:  # runtime.packed.sibling_linears: the linears of one input packed side by side
+            how += ("; the linears of one input (each MLP's gate and up; the folded query and kv_a_proj) one call "
+                    "over their copies side by side")
         lines += [f"{' and '.join(sorted({r['run'] for r in compiled}))}: each step one torch.compile graph (inductor, "
                   f"{how}) over a static latent cache "
                   f"(`transmla.runtime.compiled_decode`); compiling took {first_compile:.0f} s once, not in the times.", ""]
