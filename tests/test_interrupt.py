@@ -7,6 +7,7 @@ About a minute per case: each flow process starts its own temporary Prefect serv
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -89,10 +90,19 @@ def _tensor_files(store: Path) -> dict[Path, int]:
 
 def _finished(store: Path, files: dict[Path, int]) -> dict[Path, int]:
     """The tensor files of task runs that finished: their result record (named by the full cache key,
-    whose first 20 characters name the artifact directory) was written. A signal landing between a
-    task's file and its record leaves a whole file that the rerun rightly recomputes."""
-    records = [p.name for p in (store / "prefect" / "storage").glob("*")]
+    whose first 20 characters name the artifact directory) was written whole. A signal landing between a
+    task's file and its record leaves a whole file that the rerun rightly recomputes; so does one landing
+    while Prefect writes the record (not atomically: a torn record, which the rerun reads as no record;
+    seen once in a fresh-clone CI run, the crashed task's artifact rewritten)."""
+    records = [p.name for p in (store / "prefect" / "storage").glob("*") if _whole_json(p)]
     return {p: ino for p, ino in files.items() if any(r.startswith(p.parent.name) for r in records)}
+
+
+def _whole_json(path: Path) -> bool:
+    try:
+        return isinstance(json.loads(path.read_text()), dict)
+    except (OSError, ValueError):
+        return False
 
 
 def _tail(log: Path, n: int = 40) -> str:
