@@ -94,17 +94,16 @@ class Packed:
     """A weight [out, in] packed for `batch` input rows by `kernel` (one of KERNELS), with the weight
     itself for the fallback at any other row count ("stream": the weight itself, nothing packed).
     "tiled": the weight's copy by `cpu_kernels.tile_weight`, made once while it is unchanged (`tiled_copies`);
-    `group`: the `Fused` copy its copy is a slice of, when it was packed with linears of the same input
-    (`tiled_group`), else None."""
+    `group`: the `Fused` copy its copy is a slice of, when `pack` packed it with linears of the same input
+    (`tiled_groups`), else None."""
 
     __slots__ = ("data", "weight", "batch", "kernel", "group")
 
-    def __init__(self, weight: torch.Tensor, batch: int, kernel: str = "mkl", data: torch.Tensor | None = None,
-                 group: Fused | None = None):
+    def __init__(self, weight: torch.Tensor, batch: int, kernel: str = "mkl", data: torch.Tensor | None = None):
         self.weight = weight.detach()
         self.batch = batch
         self.kernel = kernel
-        self.group = group
+        self.group = None
         if kernel == "stream":
             self.data = None  # it reads the stock weight
         elif kernel == "tiled":  # `data`: this weight's copy when the caller has it (pack_all makes them together)
@@ -145,16 +144,19 @@ def tiled_copies(weights: list[torch.Tensor]) -> list[torch.Tensor]:
 
 class Fused:
     """Linears of one input as one "tiled" weight: their tiled copies side by side in `data` [tiles, in, TILE]
-    (`tiled_group`), so one kernel call reads them all (one pass of the threads over a wider output instead of
+    (`tiled_groups`), so one kernel call reads them all (one pass of the threads over a wider output instead of
     a fork and join per linear). Member i's outputs are columns offsets[i] .. offsets[i] + sizes[i] of the
     `width` = tiles * TILE the call writes; `bias` [width] joins their biases (zeros where one has none), None
     when none has one."""
 
-    __slots__ = ("data", "bias", "offsets", "sizes", "width")
+    __slots__ = ("data", "bias", "offsets", "sizes")
 
     def __init__(self, data: torch.Tensor, bias: torch.Tensor | None, offsets: list[int], sizes: list[int]):
         self.data, self.bias, self.offsets, self.sizes = data, bias, offsets, sizes
-        self.width = data.shape[0] * data.shape[2]
+
+    @property
+    def width(self) -> int:
+        return self.data.shape[0] * self.data.shape[2]
 
 
 # each group's `Fused` copy, keyed on its first weight, with the state of all its weights and biases
