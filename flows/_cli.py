@@ -58,6 +58,7 @@ def run(main) -> None:
     """
     interrupts = _Interrupts()
     previous = interrupts.install()
+    _quiet_signal_tracebacks()
     interrupted = False
     try:
         _own_group_for_temporary_server(interrupts)
@@ -96,6 +97,36 @@ class Interrupted(KeyboardInterrupt):
 
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+# the loggers Prefect's engines report a run's exceptions on (prefect.flow_runs / task_runs: the run loggers)
+_PREFECT_RUN_LOGGERS = ("prefect", "prefect.engine", "prefect.flow_runs", "prefect.task_runs")
+
+
+class _SignalTracebackFilter:
+    """Keeps a log record but drops its traceback when the exception stands for a signal (`_signal_of`).
+
+    A SIGTERM that lands while Prefect starts a task run crashes Prefect's own crash handling (ValueError
+    "Task run is not set", the TerminationSignal as its context), and the flow engine logs that with
+    `logger.exception`: a page of Prefect's internals above run()'s one line. The line stays, the traceback
+    goes; an exception no signal caused keeps its traceback."""
+
+    def filter(self, record) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and _signal_of(exc) is not None:
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def _quiet_signal_tracebacks() -> None:
+    """`_SignalTracebackFilter` on Prefect's run loggers (once per process; filters on a logger see its own
+    records before any handler does, whatever handlers Prefect's logging setup attaches)."""
+    import logging
+
+    for name in _PREFECT_RUN_LOGGERS:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _SignalTracebackFilter) for f in log.filters):
+            log.addFilter(_SignalTracebackFilter())
 
 
 def _signal_of(exc: BaseException) -> int | None:

@@ -195,3 +195,36 @@ def test_an_error_raised_while_handling_a_termination_counts_as_it():
         crash_in_crash_handling()
     assert _signal_of(e.value) == signal.SIGTERM
     assert _signal_of(ValueError("an ordinary failure")) is None
+
+
+def test_prefect_logs_an_error_a_signal_caused_without_its_traceback(caplog):
+    """Prefect's flow engine logs that crash-in-crash-handling with `logger.exception`; on its run loggers the
+    record keeps its line and loses the traceback (seen in CI: a page of Prefect internals above the rerun
+    line), while an exception no signal caused keeps its traceback."""
+    import logging
+
+    from prefect.exceptions import TerminationSignal
+
+    from flows._cli import _quiet_signal_tracebacks
+
+    _quiet_signal_tracebacks()
+    _quiet_signal_tracebacks()  # once per logger, however often run() installs it
+    log = logging.getLogger("prefect.flow_runs")
+    assert sum(type(f).__name__ == "_SignalTracebackFilter" for f in log.filters) == 1
+    fmt = logging.Formatter("%(message)s")
+    for signalled in (True, False):
+        caplog.clear()
+        try:
+            try:
+                raise TerminationSignal(signal.SIGTERM)
+            except BaseException:
+                if signalled:
+                    raise ValueError("Task run is not set")
+            raise ValueError("an ordinary failure")
+        except ValueError as exc:
+            with caplog.at_level(logging.ERROR, logger="prefect.flow_runs"):
+                log.exception("Encountered exception during execution: %r", exc)
+        (record,) = caplog.records
+        text = fmt.format(record)
+        assert "Encountered exception during execution" in text
+        assert ("Traceback" in text) is not signalled
