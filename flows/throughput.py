@@ -45,7 +45,7 @@ def throughput_flow(profile: Profile, model: str, method: str, budget: float, ch
     original, converted = resolve_model(profile.model(model).source), checkpoint_ref(ckpt, "convert")
     result = load_json(throughput(original, converted, list(tp.contexts), tp.batch, tp.steps,
                                   list(tp.full_contexts), tp.threads, tp.cache_memory_gib, profile.device, tp.repeats,
-                                  tp.packed_weights, tp.compiled_decode))
+                                  tp.packed_weights, tp.compiled_decode, tp.native_decode))
     result["vllm"] = serving_check(profile, ckpt)
     if tp.vllm_contexts and result["vllm"]["status"] in ("passed", "failed"):  # the vLLM env exists
         result["vllm_throughput"] = load_json(vllm_throughput(original, converted,

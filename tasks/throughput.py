@@ -68,7 +68,8 @@ def median_row(rows: list[dict]) -> dict:
 @cached_task("throughput")
 def throughput(original: dict, converted: dict, contexts: list[int], batch: int, steps: int,
                full_contexts: list[int], threads: int | None, cache_memory_gib: float, device: str = "cpu",
-               repeats: int = 3, packed_weights: bool = False, compiled_decode: bool = False) -> dict:
+               repeats: int = 3, packed_weights: bool = False, compiled_decode: bool = False,
+               native_decode: bool = False) -> dict:
     """-> ref to {"decode": [rows], "full": [rows], "kv": {...}, "bandwidth": {...}, "compute": {...}} for every run."""
     from tqdm.auto import tqdm
 
@@ -113,7 +114,7 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
             read()
             row = median_row([decode_step(m, backend, context, batch, steps=steps, threads=threads, seed=i,
                                           packed_weights=packed_weights and label in PACKED_RUNS,
-                                          compiled=compiled_decode and label in COMPILED_RUNS, gemm=gemm,
+                                          compiled=compiled_decode and label in COMPILED_RUNS, native=native_decode, gemm=gemm,
                                           hugepages=on_cpu)
                               for i in range(repeats)])
             gemm = row.get("gemm") or gemm
@@ -202,6 +203,14 @@ def table(result: dict, title: str) -> str:
                   + ("; the tiled copies in 2 MB pages where the kernel offers them" if "tiled" in gemm else "")
                   + "); the stock runs on PyTorch's own weight layout.", ""]
     compiled = [r for r in result["decode"] if r.get("compiled")]
+    native = [r for r in compiled if r.get("decode_loop") == "native"]
+    compiled = [r for r in compiled if r.get("decode_loop") != "native"]
+    if native:
+        lines += [f"{' and '.join(sorted({r['run'] for r in native}))}: each step one native call "
+                  "(`transmla.runtime.native_decode`: every decoder layer, the final norm and the head in one OpenMP "
+                  f"region, its phases separated by barriers; every linear through {gemm_name}, the linears of one input "
+                  "(each MLP's gate and up; the folded query and kv_a_proj) one product over their copies side by side) "
+                  "over a static latent cache (`transmla.runtime.compiled_decode`).", ""]
     if compiled:
         first_compile = max(r.get("compile_s") or 0 for r in compiled)
         ours = bool(gemm) and gemm <= set(OP_KERNELS)  # this project's kernels: operator calls in the graph

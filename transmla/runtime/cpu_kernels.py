@@ -46,7 +46,8 @@ import torch
 
 # what the kernels are built from; tasks.codehash adds these files to the cache key of every task that can run them
 NATIVE_SOURCES = ("csrc/stream_linear.cpp", "csrc/tiled_linear.cpp", "csrc/latent_decode.cpp", "csrc/latent_decode_blocked.cpp",
-                  "csrc/latent_decode_blocked_impl.h", "csrc/latent_merge.h", "csrc/decode_gemm.h")
+                  "csrc/native_decode.cpp", "csrc/latent_decode_blocked_impl.h", "csrc/latent_decode_blocked_kernels.h",
+                  "csrc/latent_merge.h", "csrc/decode_gemm.h", "csrc/tiled_tile.h")
 SOURCES = [str(Path(__file__).parent / f) for f in NATIVE_SOURCES if f.endswith(".cpp")]
 BLOCK = 16  # keys per block of the blocked latent layout (latent_decode_blocked): one AVX-512 vector
 TILE = 48  # output columns per tile of tiled_linear's packed weight: three AVX-512 vectors

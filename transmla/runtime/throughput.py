@@ -548,6 +548,7 @@ def decode_step(
     flops: float | None = None,
     packed_weights: bool = False,
     compiled: bool = False,
+    native: bool = False,
     gemm: str = "auto",
     hugepages: bool = False,
 ) -> dict:
@@ -567,7 +568,10 @@ def decode_step(
     only): the steps run as one torch.compile graph over a static latent cache (`runtime.compiled_decode`,
     inductor prepacks the weights itself, so `packed_weights` does not apply; with this project's GEMM kernels,
     "stream" or "tiled", the graph calls them on the stock or tiled weights); the first warm-up step
-    compiles (or reuses the graph of an earlier call), its seconds are in the row as `compile_s`.
+    compiles (or reuses the graph of an earlier call), its seconds are in the row as `compile_s`. `native` (with
+    `compiled`): each step one native call instead (`runtime.native_decode`: every layer in one OpenMP region)
+    where the model allows it (GEMM kernel "tiled", `native_decode.unsupported`), else the graph; the row's
+    `decode_loop` says which ran ("native" or "compiled"; None for an eager run).
     `gemm`: the prepacked GEMM kernel of both (`runtime.packed.KERNELS`, or "auto": the faster on this CPU
     for the model's weights at this batch, `packed.fastest_kernel`); the row records the kernel used
     (`gemm`, None when nothing was packed) and, for "auto", each kernel's time for one pass over the
@@ -581,7 +585,7 @@ def decode_step(
     """
     from transformers import DynamicCache
 
-    from transmla.runtime import compiled_decode, packed
+    from transmla.runtime import compiled_decode, native_decode, packed
     from transmla.runtime.absorb import LatentCache, absorbed, decode_kernel
 
     _check_backend(backend)
@@ -598,6 +602,7 @@ def decode_step(
     compiled = compiled and backend == "absorb"
     packed_weights = packed_weights and not compiled and packed.available(model)
     compile_s = None
+    decode_loop = None
     gemm_used, gemm_pass_ms = None, None
     try:
         # the prepacked GEMM kernel of the packed or compiled run, chosen once (after the thread count is set)
@@ -625,9 +630,13 @@ def decode_step(
             nxt = out.logits[:, -1:].argmax(-1).repeat(batch, 1)  # [batch, 1]
             latent_layout = "rows" if backend == "absorb" else None
             if compiled:
-                cache = compiled_decode.StaticLatentCache.from_latent_cache(cache, batch, total)
+                decode_loop = ("native" if native and gemm_used == "tiled" and native_decode.unsupported(model) is None
+                               else "compiled")
+                cache = compiled_decode.StaticLatentCache.from_latent_cache(cache, batch, total,
+                                                                            blocked=True if decode_loop == "native" else None)
                 latent_layout = "blocked" if cache.blocked else "rows"
-                step = compiled_decode.compiled_step(model, gemm=gemm_used)
+                step = (native_decode.native_step(model) if decode_loop == "native"
+                        else compiled_decode.compiled_step(model, gemm=gemm_used))
             elif backend == "static":
                 cache = static_copy(cache, config, batch, total)
             else:
@@ -646,7 +655,7 @@ def decode_step(
                 synchronize(dev)
                 if i >= warmup_steps:
                     times.append(time.perf_counter() - t)
-                elif i == 0 and compiled:
+                elif i == 0 and decode_loop == "compiled":
                     compile_s = time.perf_counter() - t
             length = int(cache.get_seq_length())
             kv_measured = cache_nbytes(cache) / (batch * length)
@@ -664,6 +673,8 @@ def decode_step(
         "packed_weights": packed_weights,
         "compiled": compiled,
         "compile_s": compile_s,
+        # how a compiled run stepped: "native" (runtime.native_decode) or "compiled" (the torch.compile graph)
+        "decode_loop": decode_loop,
         "gemm": gemm_used,
         "gemm_pass_ms": gemm_pass_ms,
         # the absorbed single-token attention kernel ("auto" resolved: runtime.absorb.decode_kernel)

@@ -46,9 +46,34 @@ inline AdditiveMask additive_mask(const c10::optional<at::Tensor>& mask, int64_t
   return out;
 }
 
-// Merge per-chunk partials into out [B, h, rank]: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
-// m, l [B, groups, chunks, lanes]; acc [B, groups, chunks, lanes, rank]; head j is lane j % lanes of group
-// j / lanes. A head whose keys are all masked (every m_c = -inf) gets zeros, not NaN.
+// Merge per-chunk partials, rows [r0, r1) of out [B, h, rank] (row = b h + j): out = sum_c e^(m_c - M) acc_c /
+// sum_c e^(m_c - M) l_c. m, l [B, groups, chunks, lanes]; acc [B, groups, chunks, lanes, rank]; head j is lane
+// j % lanes of group j / lanes. A head whose keys are all masked (every m_c = -inf) gets zeros, not NaN.
+inline void merge_rows(const float* mptr, const float* lptr, const float* aptr, int64_t h, int64_t groups,
+                       int64_t chunks, int64_t lanes, int64_t rank, float* op, int64_t r0, int64_t r1) {
+  for (int64_t bj = r0; bj < r1; ++bj) {
+    const int64_t b = bj / h, j = bj % h, g = j / lanes, lane = j % lanes;
+    const int64_t base = (b * groups + g) * chunks;
+    float M = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < chunks; ++c) M = std::max(M, mptr[(base + c) * lanes + lane]);
+    const float Ms = std::isinf(M) ? 0.f : M;
+    float L = 0.f;
+    float* o = op + bj * rank;
+    for (int64_t d = 0; d < rank; ++d) o[d] = 0.f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float mc = mptr[(base + c) * lanes + lane];
+      const float wgt = std::isinf(mc) ? 0.f : std::exp(mc - Ms);
+      if (wgt == 0.f) continue;
+      L += wgt * lptr[(base + c) * lanes + lane];
+      const float* a = aptr + ((base + c) * lanes + lane) * rank;
+      for (int64_t d = 0; d < rank; ++d) o[d] += wgt * a[d];
+    }
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    for (int64_t d = 0; d < rank; ++d) o[d] *= inv;
+  }
+}
+
+// merge_rows over all of out [B, h, rank], rows split over ATen's threads
 inline at::Tensor merge_chunks(const at::Tensor& m, const at::Tensor& l, const at::Tensor& acc, int64_t h) {
   const int64_t B = m.size(0), groups = m.size(1), chunks = m.size(2), lanes = m.size(3), rank = acc.size(4);
   at::Tensor out = at::empty({B, h, rank}, acc.options());
@@ -57,26 +82,7 @@ inline at::Tensor merge_chunks(const at::Tensor& m, const at::Tensor& l, const a
   const float* aptr = acc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, B * h, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t bj = r0; bj < r1; ++bj) {
-      const int64_t b = bj / h, j = bj % h, g = j / lanes, lane = j % lanes;
-      const int64_t base = (b * groups + g) * chunks;
-      float M = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < chunks; ++c) M = std::max(M, mptr[(base + c) * lanes + lane]);
-      const float Ms = std::isinf(M) ? 0.f : M;
-      float L = 0.f;
-      float* o = op + bj * rank;
-      for (int64_t d = 0; d < rank; ++d) o[d] = 0.f;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const float mc = mptr[(base + c) * lanes + lane];
-        const float wgt = std::isinf(mc) ? 0.f : std::exp(mc - Ms);
-        if (wgt == 0.f) continue;
-        L += wgt * lptr[(base + c) * lanes + lane];
-        const float* a = aptr + ((base + c) * lanes + lane) * rank;
-        for (int64_t d = 0; d < rank; ++d) o[d] += wgt * a[d];
-      }
-      const float inv = L > 0.f ? 1.f / L : 0.f;
-      for (int64_t d = 0; d < rank; ++d) o[d] *= inv;
-    }
+    merge_rows(mptr, lptr, aptr, h, groups, chunks, lanes, rank, op, r0, r1);
   });
   return out;
 }

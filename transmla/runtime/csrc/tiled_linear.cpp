@@ -16,39 +16,9 @@
 #include <immintrin.h>
 
 #include "decode_gemm.h"
+#include "tiled_tile.h"
 
 namespace {
-
-constexpr int64_t kVecs = 3;              // AVX-512 vectors per tile row
-constexpr int64_t kWidth = 16 * kVecs;    // output columns per tile (48)
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,fma")
-// y[m, n0 : n0 + cols] for m < M: M rows of x [M, K] (row stride K) against one packed tile [K, 48]
-template <int M>
-void tile(const float* x, int64_t K, const float* p, float* y, int64_t N, int64_t n0, int64_t cols,
-          const float* bias) {
-  __m512 acc[M][kVecs];
-  for (int m = 0; m < M; ++m)
-    for (int v = 0; v < kVecs; ++v) acc[m][v] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const float* pk = p + k * kWidth;
-    __m512 w[kVecs];
-    for (int v = 0; v < kVecs; ++v) w[v] = _mm512_loadu_ps(pk + 16 * v);
-    for (int m = 0; m < M; ++m) {
-      const __m512 xm = _mm512_set1_ps(x[m * K + k]);
-      for (int v = 0; v < kVecs; ++v) acc[m][v] = _mm512_fmadd_ps(w[v], xm, acc[m][v]);
-    }
-  }
-  for (int v = 0; v < kVecs; ++v) {
-    const int64_t left = cols - 16 * v;
-    if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0 + 16 * v) : _mm512_setzero_ps();
-    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * N + n0 + 16 * v, mask, _mm512_add_ps(acc[m][v], b));
-  }
-}
-#pragma GCC pop_options
 
 bool has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f");
@@ -72,16 +42,7 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& packed, const c10
   const float* pp = packed.data_ptr<float>();
   const float* bp = has_bias ? op.bias.data_ptr<float>() : nullptr;
   float* yp = op.y.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * kWidth, cols = std::min(kWidth, N - n0);
-      const float* pt = pp + t * K * kWidth;
-      // more than 8 rows re-read the tile (K x 48 floats) from cache, not from memory
-      transmla_gemm::row_blocks(op.rows, [&](auto M, int64_t m0) {
-        tile<decltype(M)::value>(xp + m0 * K, K, pt, yp + m0 * N, N, n0, cols, bp);
-      });
-    }
-  });
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { tile_range(xp, op.rows, K, pp, bp, yp, N, t0, t1); });
   return op.y.view(op.out_shape);
 }
 
