@@ -60,15 +60,22 @@ def _offline_defaults() -> None:
 
 
 def cmd_fetch_model(args) -> dict:
+    from transmla.io.export import check_output
     from transmla.io.sources import fetch_model
 
+    check_output(args.out)  # before a download or dequantisation, not after it
     return fetch_model(args.source, args.out, cache=args.cache_dir)
 
 
 def cmd_ppl(args) -> dict:
-    from transmla.evaluation.perplexity import wikitext2_perplexity
+    from transmla.evaluation.perplexity import check_windows, wikitext2_perplexity
+    from transmla.io.export import check_output
     from transmla.io.sources import load_model, source_info
 
+    # refused before the model is materialised or loaded: main() writes --out after the whole evaluation
+    check_windows(args.seqlen, args.max_tokens)
+    if args.out:
+        check_output(args.out, "file")
     info = source_info(args.model, cache=args.cache_dir)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, cache=args.cache_dir)
     out = wikitext2_perplexity(model, tok, seqlen=args.seqlen, max_tokens=args.max_tokens, data_dir=args.data_dir)
@@ -122,29 +129,79 @@ def _bench_counts(flag: str, field: str, text: str, fix: str, **options) -> dict
     return counts
 
 
+def _batch_size(text: str) -> int | str:
+    """--batch-size: a positive integer, or lm-eval's auto / auto:N (passed on as it is)."""
+    if text.startswith("auto"):
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise TransMLAError(f"--batch-size {text!r} is not a positive integer or auto.",
+                            "pass --batch-size N with N >= 1 (e.g. 8), or --batch-size auto.")
+    return n
+
+
 def cmd_eval(args) -> dict:
-    from transmla.evaluation.benchmarks import evaluate
+    from transmla.evaluation.benchmarks import check_evaluation, evaluate
     from transmla.io.sources import materialize
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     limit = None if args.limit in (None, 0) else args.limit
+    batch_size = _batch_size(args.batch_size)
+    # evaluate() checks the same, but only once materialize() has run: a GGUF source would be dequantised
+    # first. --limit goes before --superset, whose check reads it (a bad --limit would be blamed on it).
+    check_evaluation(tasks, limit, args.num_fewshot, args.protocol, args.backend, args.tensor_parallel,
+                     args.data_parallel, args.parallelize, args.out)
     limits = _bench_counts("--limits", "limits", args.limits, "write it as BENCHMARK=N[,BENCHMARK=N], e.g. mmlu=400.")
     superset = _bench_counts("--superset", "reference_limits", args.superset,
                              "write it as BENCHMARK=N[,BENCHMARK=N] with N at least the sample's own size, "
                              "e.g. mmlu=1000 with --limit 146.", limit=limit, limits=limits)
     return evaluate(materialize(args.model, args.cache_dir), tasks=tasks, limit=limit, num_fewshot=args.num_fewshot,
-                    batch_size=args.batch_size if str(args.batch_size).startswith("auto") else int(args.batch_size), seed=args.seed, dtype=args.dtype, device=args.device,
+                    batch_size=batch_size, seed=args.seed, dtype=args.dtype, device=args.device,
                     out_dir=args.out, data_dir=args.data_dir, protocol=args.protocol, limits=limits,
                     backend=args.backend, tensor_parallel=args.tensor_parallel, data_parallel=args.data_parallel,
                     parallelize=args.parallelize, superset=superset or None)
+
+
+def _check_corpora(names: list[str], data_dir) -> None:
+    """--corpora: known data sets with their offline files present, checked before the model loads."""
+    from transmla.io.data import DATA_SOURCE_ENV, local_path, spec
+
+    if not names:
+        raise TransMLAError("--corpora names no data set.", f"pass e.g. --corpora {','.join(FINETUNE_CORPORA)}.")
+    for n in names:
+        try:
+            spec(n)
+            if os.environ.get(DATA_SOURCE_ENV, "local") == "local":  # the hub path is only reachable by loading
+                local_path(n, data_dir)
+        except TransMLAError as e:
+            raise TransMLAError(f"--corpora {n}: {e.problem}", e.fix) from None
+
+
+def _check_mla_source(source: str) -> None:
+    """finetune trains converted MLA models only: a local directory's config.json says so without loading
+    its weights (other sources are checked by finetune_on_corpora once loaded)."""
+    from types import SimpleNamespace
+
+    from transmla.io.sources import parse_source
+    from transmla.training.finetune import check_mla_model
+
+    src = parse_source(source)
+    path = os.path.join(src.location, "config.json") if src.kind == "dir" else None
+    if path and os.path.isfile(path):
+        with open(path) as f:
+            model_type = json.load(f).get("model_type")
+        check_mla_model(SimpleNamespace(config=SimpleNamespace(model_type=model_type)))
 
 
 def cmd_finetune(args) -> dict:
     from pathlib import Path
 
     from transmla.io.data import load_documents
+    from transmla.io.export import check_output
     from transmla.training.finetune import FinetuneConfig, finetune_on_corpora
-    from transmla.io.paths import new_output_dir
     from transmla.io.sources import load_model
     from transmla.runtime.memory import peak_rss_bytes
 
@@ -155,14 +212,18 @@ def cmd_finetune(args) -> dict:
         raise TransMLAError(f"--{name.replace('_', '-')} {shown} distils from the original model.",
                             "pass --teacher SOURCE (the model you converted), or use --objective lm --attn-weight 0 "
                             "--layerwise-epochs 0.")
-    out = new_output_dir(args.out)  # fail before hours of training, not after
+    out = check_output(args.out)  # fail before hours of training, not after
+    work = Path(args.work_dir) if args.work_dir else out.with_name(f".{out.name}.trainer")
+    if args.work_dir:  # it may exist: a rerun resumes from its checkpoints
+        check_output(work, "dir", "--work-dir")
+    names = [c.strip() for c in args.corpora.split(",") if c.strip()]
+    _check_corpora(names, args.data_dir)
+    _check_mla_source(args.model)
     model, tok = load_model(args.model, dtype="float32", device=args.device, cache=args.cache_dir)
     teacher = None  # with --objective lm a teacher only scores: the validation KL, for comparing objectives
     if args.teacher:
         teacher = load_model(args.teacher, dtype=cfg.teacher_dtype, device=args.device, cache=args.cache_dir)[0]
-    names = [c.strip() for c in args.corpora.split(",") if c.strip()]
     docs = {n: load_documents(n, data_dir_override=args.data_dir) for n in names}
-    work = Path(args.work_dir) if args.work_dir else out.with_name(f".{out.name}.trainer")
     with contextlib.redirect_stdout(sys.stderr):  # Trainer prints its logs; stdout stays the result's JSON
         record = finetune_on_corpora(model, tok, docs, cfg, work, out, teacher=teacher)
     keys = ("objective", "val_loss_before", "val_loss_after", "val_kd_before", "val_kd_after", "val_attn_before",

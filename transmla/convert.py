@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from transmla.adapters import GQASpec, attention_weights, read_spec
 from transmla.config import REFIT_DAMP, REFIT_MAX_DIM, ConvertOptions
 from transmla.method.calibration import CalibrationStats, collect_stats, mixed_calibration_ids
-from transmla.method.mla import MLALayer
+from transmla.method.mla import MLALayer, check_q_lora_rank
 from transmla.method.qknorm import rebase_query
 from transmla.pipeline.assemble import assemble, conversion_metadata
 from transmla.pipeline.basis import basis_step
@@ -31,7 +31,31 @@ from transmla.pipeline.rotation import rotation_step
 from transmla.pipeline.stream import LayerStream, MLAShapes
 from transmla.runtime.memory import peak_rss_bytes, release_pages, trim_heap
 
-__all__ = ["Budget", "ConvertOptions", "assemble", "convert", "convert_layers", "resolve_budget"]
+__all__ = ["Budget", "ConvertOptions", "assemble", "check_request", "convert", "convert_layers", "resolve_budget"]
+
+
+def check_request(spec: GQASpec, o: ConvertOptions) -> Budget:
+    """The budget of `o` for the model `spec` describes, and every other shape request checked against it
+    (q_lora_rank): all from the config, so a dry run and a real run refuse the same things before any weight."""
+    budget = resolve_budget(spec, o)
+    check_q_lora_rank(o.q_lora_rank, spec.h, spec.d, budget.rope_dim, spec.D)
+    return budget
+
+
+def config_spec(cfg: dict) -> GQASpec | None:
+    """The spec of a source's config (io.sources.check_source's dict); None when it cannot give one: empty
+    (a hub config not reachable), a not yet materialised catalog model (its model type only), or a GGUF
+    header's partial fields that transformers refuses (Llama-3.1 RoPE scaling without its factors)."""
+    from transformers import AutoConfig
+
+    if not set(cfg) - {"model_type"}:
+        return None
+    cfg = dict(cfg)
+    try:
+        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    except (KeyError, TypeError, ValueError):  # the loaded model's config decides, after materialising
+        return None
+    return read_spec(config)
 
 
 def mla_shapes(spec: GQASpec, budget: Budget, o: ConvertOptions) -> MLAShapes:
@@ -118,20 +142,22 @@ def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_di
     """Load `source`, calibrate, convert, export to `out`. Returns the conversion record plus timings
     (the timings stay out of the checkpoint, so identical conversions give identical checkpoints)."""
     from transmla.io.data import calibration_parts
-    from transmla.io.export import write_checkpoint
-    from transmla.io.paths import new_output_dir
+    from transmla.io.export import check_output, write_checkpoint
     from transmla.io.sources import check_source, load_model, source_info
 
     t0 = time.perf_counter()
     calibration_parts(o.cal_dataset)  # unknown data set or missing path: fail before any work
-    check_source(source, cache)  # unsupported architecture: refused from its config, before any weight is read
-    out = new_output_dir(out)
+    out = check_output(out)  # an --out the export could not write: refused now, not after the conversion
+    cfg = check_source(source, cache)  # unsupported architecture: refused from its config, before any weight is read
+    spec = config_spec(cfg)
+    if spec is not None:  # impossible ranks / RoPE dims: refused from the config too (the dry run's check),
+        check_request(spec, o)  # not after loading, downloading or dequantising the weights
     info = source_info(source, cache)
     if o.load == "layers":
         return convert_layer_streamed(source, out, o, info, t0, cache, data_dir, progress)
     model, tok = load_model(source, dtype="float32", device=o.device, cache=cache)  # the math runs in fp32/fp64
     spec = read_spec(model.config)
-    budget = resolve_budget(spec, o)
+    budget = check_request(spec, o)  # again on the loaded config: authoritative where the source's was not read
     ids = calibration_windows(tok, o, data_dir)
     trim_heap()  # tokenizing the corpus left ~0.2 GiB of free heap (SmolLM2) that calibration would fragment
     data_peak = _data_peak()
@@ -195,7 +221,7 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
     config = AutoConfig.from_pretrained(loc)
     tok = AutoTokenizer.from_pretrained(loc)
     spec = read_spec(config)
-    budget = resolve_budget(spec, o)
+    budget = check_request(spec, o)
     ckpt = LazyCheckpoint(loc)
     dtype = getattr(torch, o.dtype)
     model = skeleton(config)
@@ -280,17 +306,17 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
 def plan_conversion(source: str, o: ConvertOptions, cache=None, rates: dict | None = None):
     """The conversion's plan (pipeline.plan) from the source's config alone: no weight is read.
     rates: matmul / float64-eigh FLOP/s (default: measured on o.device in about a second)."""
-    from transformers import AutoConfig
-
     from transmla.errors import TransMLAError
     from transmla.io.sources import check_source
     from transmla.pipeline.plan import conversion_plan, measure_rates
 
-    cfg = dict(check_source(source, cache))  # refused from the config, as convert() would
+    cfg = check_source(source, cache)  # refused from the config, as convert() would
     if not cfg:
         raise TransMLAError(f"No config.json found for {source!r}.", "a dry run reads the source's config.json only: "
                                                                        "pass a directory or hub id that has one.")
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    spec = read_spec(config)
-    budget = resolve_budget(spec, o)
+    spec = config_spec(cfg)
+    if spec is None:  # a catalog model's type alone: planning from a default config's shapes would mislead
+        raise TransMLAError(f"{source!r} is not materialised yet: its config holds no usable shapes.",
+                            f"run `transmla fetch-model {source} --out DIR` (or a real conversion) once, then dry-run.")
+    budget = check_request(spec, o)
     return conversion_plan(spec, budget, o, rates or measure_rates(o.device))

@@ -201,20 +201,7 @@ def evaluate(
     """
     _offline_env()
     tasks = tuple(tasks)
-    for t in tasks:
-        if t not in TASKS:
-            raise TransMLAError(f"Unknown benchmark {t!r}.", f"choose from {', '.join(TASKS)}.")
-    if protocol not in PROTOCOLS:
-        raise TransMLAError(f"Unknown evaluation protocol {protocol!r}.", f"choose from {', '.join(PROTOCOLS)}.")
-    if limit is not None and limit < 1:
-        raise TransMLAError(f"limit={limit} must be positive.", "pass --limit N >= 1, or omit it for full runs.")
-    _check_backend(backend, tensor_parallel, data_parallel, parallelize)
-    if num_fewshot and set(tasks) - {"mmlu"}:
-        # the offline files hold only the evaluation split of these: demonstrations would be drawn from the
-        # very documents being scored
-        raise TransMLAError(f"num_fewshot={num_fewshot}: the local data has a few-shot split only for MMLU (dev); "
-                            f"{', '.join(sorted(set(tasks) - {'mmlu'}))} would draw demonstrations from their test split.",
-                            "evaluate zero-shot (the paper's protocol), or pass --tasks mmlu for few-shot MMLU.")
+    check_evaluation(tasks, limit, num_fewshot, protocol, backend, tensor_parallel, data_parallel, parallelize, out_dir)
     import tempfile
 
     mmlu_form, _ = PROTOCOLS[protocol]
@@ -264,6 +251,32 @@ def evaluate(
     if out_dir is not None:
         write_results(out_dir, result, raw)
     return result
+
+
+def check_evaluation(tasks, limit: int | None = None, num_fewshot: int = 0, protocol: str = "paper",
+                     backend: str = "hf", tensor_parallel: int = 1, data_parallel: int = 1, parallelize: bool = False,
+                     out_dir: str | Path | None = None) -> None:
+    """Refuse a request `evaluate` cannot run as asked, from its arguments alone: callers check it before
+    they load or materialise the model (an unusable out_dir would otherwise fail after the whole run)."""
+    from transmla.io.export import check_output
+
+    for t in tasks:
+        if t not in TASKS:
+            raise TransMLAError(f"Unknown benchmark {t!r}.", f"choose from {', '.join(TASKS)}.")
+    if protocol not in PROTOCOLS:
+        raise TransMLAError(f"Unknown evaluation protocol {protocol!r}.", f"choose from {', '.join(PROTOCOLS)}.")
+    if limit is not None and limit < 1:
+        raise TransMLAError(f"--limit {limit} must be a positive number of docs.",
+                            "pass --limit N >= 1, or omit it for full runs.")
+    _check_backend(backend, tensor_parallel, data_parallel, parallelize)
+    if num_fewshot and set(tasks) - {"mmlu"}:
+        # the offline files hold only the evaluation split of these: demonstrations would be drawn from the
+        # very documents being scored
+        raise TransMLAError(f"num_fewshot={num_fewshot}: the local data has a few-shot split only for MMLU (dev); "
+                            f"{', '.join(sorted(set(tasks) - {'mmlu'}))} would draw demonstrations from their test split.",
+                            "evaluate zero-shot (the paper's protocol), or pass --tasks mmlu for few-shot MMLU.")
+    if out_dir is not None:
+        check_output(out_dir, "dir")
 
 
 def _check_backend(backend: str, tensor_parallel: int, data_parallel: int, parallelize: bool) -> None:

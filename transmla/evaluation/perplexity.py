@@ -22,6 +22,16 @@ def tokenize_corpus(tokenizer, texts: list[str]) -> torch.Tensor:
     return tokenizer("\n\n".join(texts), return_tensors="pt").input_ids[0]
 
 
+def check_windows(seqlen: int, max_tokens: int | None = None) -> None:
+    """Refuse window settings that cannot give one window, whatever the corpus: checked from the numbers
+    alone, so the CLI refuses them before the model loads."""
+    if seqlen < 2:
+        raise TransMLAError(f"seqlen must be >= 2, got {seqlen}.", "pass --seqlen 2048 (default).")
+    if max_tokens is not None and max_tokens < seqlen:
+        raise TransMLAError(f"max_tokens={max_tokens} is fewer than one window of {seqlen} tokens.",
+                            "lower --seqlen or raise --max-tokens.")
+
+
 @torch.no_grad()
 def perplexity(
     model,
@@ -35,8 +45,7 @@ def perplexity(
 
     Returns {"ppl", "nll", "tokens" (windows*seqlen fed), "predicted", "windows", "seqlen", "seconds"}.
     """
-    if seqlen < 2:
-        raise TransMLAError(f"seqlen must be >= 2, got {seqlen}.", "pass --seqlen 2048 (default).")
+    check_windows(seqlen, max_tokens)
     if max_tokens is not None:
         ids = ids[:max_tokens]
     n_windows = ids.numel() // seqlen

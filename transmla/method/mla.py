@@ -126,6 +126,17 @@ def query_weights(w: AttentionWeights, rot: KeyRotation, h: int, g: int, d: int)
     return W, b
 
 
+def check_q_lora_rank(q_lora_rank: int | None, h: int, d: int, R: int, D: int) -> None:
+    """Refuse a q_lora_rank the queries cannot have: they are [h (d + R), D], so rank <= min of those.
+    Shapes alone decide it, so the converter checks it from the config before any weight is read."""
+    top = min(h * (d + R), D)
+    if q_lora_rank is not None and not 1 <= q_lora_rank <= top:
+        raise TransMLAError(
+            f"q_lora_rank={q_lora_rank} is impossible: the queries span at most {top} dims.",
+            f"choose --q-lora-rank between 1 and {top}, or leave it unset.",
+        )
+
+
 def build_mla_layer(
     w: AttentionWeights,
     rot: KeyRotation,
@@ -190,11 +201,7 @@ def build_mla_layer(
         mean_sq = (torch.trace(xx).item() + 1.0) / (D + 1)
         diag["q_bias_carrier"] = True
     else:
-        if not 1 <= q_lora_rank <= min(wq.shape):
-            raise TransMLAError(
-                f"q_lora_rank={q_lora_rank} is impossible: the queries span at most {min(wq.shape)} dims.",
-                f"choose q_lora_rank between 1 and {min(wq.shape)}, or leave it unset.",
-            )
+        check_q_lora_rank(q_lora_rank, h, d, R, D)
         Sq = affine_second_moment(wq, bq, xx, mu)
         vals, vecs = eigh_desc(Sq)
         Pq = vecs[:, :q_lora_rank]

@@ -1,0 +1,186 @@
+"""Bad CLI input: one `transmla: error: ... Fix: ...` line and exit 2, before any weight is loaded or
+materialised, leaving nothing behind. The loaders are replaced by functions that fail the test if called."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from transmla.cli import main
+
+
+class WeightsTouched(AssertionError):
+    pass
+
+
+def _touched(*a, **k):
+    raise WeightsTouched("the model's weights were read before the input was checked")
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A tiny random Llama (4 heads of 16, 2 KV heads, hidden 64) with weights and tokenizer."""
+    from conftest import _tiny_model
+
+    out = tmp_path_factory.mktemp("llama")
+    _tiny_model("llama", len(tiny_tokenizer)).save_pretrained(out)
+    tiny_tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Every way the commands reach a model's weights (load, materialise + hash, lm-eval) fails the test."""
+    import transmla.evaluation.benchmarks as benchmarks
+    import transmla.io.sources as sources
+
+    for name in ("load_model", "materialize", "source_info", "fetch_model"):
+        monkeypatch.setattr(sources, name, _touched)
+    monkeypatch.setattr(benchmarks, "_run_hf", _touched)
+
+
+@pytest.fixture
+def work(tmp_path, tmp_path_factory):
+    """(folder the command may write in, common flags): the cache lives elsewhere, so the folder's listing
+    before and after tells whether anything was written."""
+    return tmp_path, ["--cache-dir", str(tmp_path_factory.mktemp("cache"))]
+
+
+def _listing(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.stat().st_size if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def _refused(argv, capsys, root: Path, *words) -> str:
+    """Run the CLI; assert exit 2, one error line naming `words` and a fix, no stdout, nothing written."""
+    before = _listing(root)
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert rc == 2, err
+    assert len(lines) == 1 and lines[0].startswith("transmla: error: ") and " Fix: " in lines[0], err
+    for w in words:
+        assert w in lines[0], lines[0]
+    assert out == ""
+    assert _listing(root) == before
+    return lines[0]
+
+
+# 1. q_lora_rank against the model's dims (queries [h (d + R), D] = [4 (16 + R), 64]: at most 64)
+
+def test_dry_run_refuses_impossible_q_lora_rank(llama_dir, work, capsys, no_weights):
+    root, common = work
+    _refused(["convert", "--model", str(llama_dir), "--out", str(root / "o"), "--q-lora-rank", "100000",
+              "--dry-run", *common], capsys, root, "q_lora_rank=100000", "--q-lora-rank between 1 and 64")
+
+
+def test_dry_run_accepts_possible_q_lora_rank(llama_dir, work, capsys, no_weights):
+    root, common = work
+    assert main(["convert", "--model", str(llama_dir), "--out", str(root / "o"), "--q-lora-rank", "64",
+                 "--dry-run", *common]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_lora_rank"] > 0
+
+
+@pytest.mark.parametrize("load", ["model", "layers"])
+def test_convert_refuses_impossible_q_lora_rank_before_loading(llama_dir, work, capsys, no_weights, load):
+    root, common = work
+    _refused(["convert", "--model", str(llama_dir), "--out", str(root / "o"), "--q-lora-rank", "100000",
+              "--load", load, *common], capsys, root, "--q-lora-rank between 1 and 64")
+
+
+# 2. the KV budget, checked from the config before loading (as --dry-run does)
+
+@pytest.mark.parametrize("load", ["model", "layers"])
+@pytest.mark.parametrize("flags, words", [
+    (["--kv-lora-rank", "100000"], ["kv_lora_rank=100000 is impossible", "kv_lora_rank between 1 and"]),
+    (["--qk-rope-dim", "7"], ["qk_rope_head_dim=7 must be even"]),
+])
+def test_convert_refuses_impossible_budget_before_loading(llama_dir, work, capsys, no_weights, flags, words, load):
+    root, common = work
+    _refused(["convert", "--model", str(llama_dir), "--out", str(root / "o"), *flags, "--load", load, *common],
+             capsys, root, *words)
+
+
+# 3. output paths, checked before any work
+
+def test_convert_refuses_out_under_a_file(llama_dir, work, capsys, no_weights):
+    root, common = work
+    (root / "afile").write_text("x")
+    _refused(["convert", "--model", str(llama_dir), "--out", str(root / "afile" / "sub"), *common],
+             capsys, root, "is a file", "--out")
+    assert (root / "afile").read_text() == "x"
+
+
+def test_ppl_refuses_out_that_is_a_directory(llama_dir, work, capsys, no_weights):
+    root, common = work
+    (root / "existing").mkdir()
+    _refused(["ppl", "--model", str(llama_dir), "--out", str(root / "existing"), *common],
+             capsys, root, "is a directory", "--out")
+
+
+def test_eval_refuses_out_that_is_a_file(llama_dir, work, capsys, no_weights):
+    root, common = work
+    (root / "afile").write_text("x")
+    _refused(["eval", "--model", str(llama_dir), "--tasks", "piqa", "--limit", "2", "--out", str(root / "afile"),
+              *common], capsys, root, "is a file", "--out")
+
+
+def test_finetune_refuses_out_under_a_file(work, capsys, no_weights):
+    root, common = work
+    (root / "afile").write_text("x")
+    _refused(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "afile" / "sub"),
+              "--corpora", "wikitext2-train", *common], capsys, root, "is a file", "--out")
+
+
+# 4, 5. eval's numbers
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2"])
+def test_eval_refuses_bad_batch_size(llama_dir, work, capsys, no_weights, value):
+    root, common = work
+    _refused(["eval", "--model", str(llama_dir), "--batch-size", value, *common], capsys, root, "--batch-size")
+
+
+def test_eval_blames_limit_not_superset(llama_dir, work, capsys, no_weights):
+    root, common = work
+    line = _refused(["eval", "--model", str(llama_dir), "--limit", "-3", *common], capsys, root, "--limit -3")
+    assert "--superset" not in line
+
+
+# 6. ppl window, finetune corpora and model type, checked before loading
+
+@pytest.mark.parametrize("flags, words", [
+    (["--seqlen", "0"], ["seqlen must be >= 2", "--seqlen"]),
+    (["--seqlen", "64", "--max-tokens", "10"], ["fewer than one window", "--max-tokens"]),
+])
+def test_ppl_refuses_bad_window_before_loading(llama_dir, work, capsys, no_weights, flags, words):
+    root, common = work
+    _refused(["ppl", "--model", str(llama_dir), "--out", str(root / "r.json"), *flags, *common], capsys, root, *words)
+
+
+def _mla_dir(root: Path) -> Path:
+    """A directory a converted model would be, as far as its config.json tells (no weights: none may be read)."""
+    d = root.parent / f"{root.name}-mla"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    return d
+
+
+def test_finetune_refuses_unknown_corpus_before_loading(work, capsys, no_weights):
+    root, common = work
+    _refused(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora", "nosuch", *common],
+             capsys, root, "--corpora nosuch", "Unknown data set 'nosuch'", "wikitext2-train")
+
+
+def test_finetune_refuses_unconverted_model_before_loading(llama_dir, work, capsys, no_weights):
+    root, common = work
+    _refused(["finetune", "--model", str(llama_dir), "--out", str(root / "ft"), "--corpora", "wikitext2-train",
+              *common], capsys, root, "model_type='llama'", "convert the model first")
+
+
+def test_finetune_checks_pass_for_a_converted_model(work, no_weights):
+    """The up-front checks let a converted model through: the next step is loading it."""
+    root, common = work
+    with pytest.raises(WeightsTouched):
+        main(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora", "wikitext2-train",
+              *common])
