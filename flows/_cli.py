@@ -8,7 +8,7 @@ import sys
 import tasks  # noqa: F401  (Prefect defaults before prefect is imported)
 from transmla.errors import TransMLAError
 
-from .params import DEFAULT_PARAMS, ROWS, Profile, load_profile
+from .params import DEFAULT_PARAMS, ROWS, Profile, check_budget, load_profile
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -39,12 +39,46 @@ def overrides_of(args) -> dict:
         if "=" not in kv:
             raise TransMLAError(f"-S {kv!r} is not KEY=VALUE.", "write e.g. -S evaluation.limit=5.")
         k, v = kv.split("=", 1)
-        overrides[k] = yaml.safe_load(v)
+        try:
+            overrides[k] = yaml.safe_load(v)
+        except yaml.YAMLError as e:
+            problem = " ".join(str(getattr(e, "problem", None) or e).split())  # YAML's own text spans lines
+            raise TransMLAError(f"-S {kv!r}: the value is not YAML ({problem}).",
+                                f"write a YAML value, e.g. -S {k}=5, -S '{k}=[0.125, 0.25]' or quote a string: "
+                                f"-S '{k}=\"...\"'.") from e
     return overrides
 
 
 def profile_of(args) -> Profile:
     return load_profile(args.params, overrides_of(args))
+
+
+def check_variant(profile: Profile, model: str | None, method: str | None = None, budget: float | None = None) -> None:
+    """--model/--method/--budget against the validated profile, before a flow run starts (a run takes
+    10-15 s to start and would report the same mistake under Prefect's traceback)."""
+    if model is not None:
+        profile.model(model)  # unknown name: one line naming the models there are
+    if method not in (None, "original"):
+        profile.methods.row(method)  # unknown row: one line naming the rows
+        if budget is None:
+            raise TransMLAError(f"--method {method} names a converted model: it needs its --budget.",
+                                "pass --budget, e.g. --budget 0.125.")
+    if budget is not None:
+        try:
+            check_budget(budget)
+        except ValueError as e:
+            raise TransMLAError(f"--budget: {e}.", "pass a fraction in (0, 1], e.g. --budget 0.125.") from None
+
+
+def check_new_outputs(args, kinds: dict[str, str]) -> None:
+    """An explicit output option (e.g. --out) must name nothing there yet: the flows replace their
+    output atomically, which would delete what a user keeps there. Checked before the flow run, so a
+    refusal costs nothing. kinds: option name -> "dir" | "file"."""
+    from tasks.artifacts import new_output
+
+    for name, kind in kinds.items():
+        if getattr(args, name, None):
+            new_output(getattr(args, name), kind, "--" + name.replace("_", "-"))
 
 
 def run(main) -> None:
@@ -281,12 +315,15 @@ def _own_group_for_temporary_server(interrupts: _Interrupts) -> None:
     server.subprocess = _Subprocess("subprocess")
 
 
-def entry(flow, doc: str, variant: bool | str = False, model: bool = True, **options: str) -> None:
+def entry(flow, doc: str, variant: bool | str = False, model: bool = True, new_outputs: dict[str, str] | None = None,
+          **options: str) -> None:
     """The command line of one flow module: `python -m flows.<name>`.
 
     --params/-S always; --model (and --method/--budget for a converted `variant`); each option
     `name="help"` becomes --name (a flag if the help starts with "flag:"), passed to the flow as
     name=value when given. The flow is called as flow(profile, model, method, budget, **options).
+    new_outputs: {option: "dir" | "file"}: output options refused when given and already holding something.
+    The profile, --model/--method/--budget and those outputs are checked before the flow run starts.
     """
     ap = variant_parser(doc, original=variant == "or-original") if variant else parser(doc)
     if model and not variant:
@@ -302,7 +339,10 @@ def entry(flow, doc: str, variant: bool | str = False, model: bool = True, **opt
         args = ap.parse_args()
         kwargs = {k: getattr(args, k) for k in options if getattr(args, k) not in (None, False)}
         pos = [args.model, args.method, args.budget] if variant else ([args.model] if model else [])
-        result = flow(profile_of(args), *pos, **kwargs)
+        profile = profile_of(args)
+        check_variant(profile, *pos)
+        check_new_outputs(args, new_outputs or {})
+        result = flow(profile, *pos, **kwargs)
         if isinstance(result, str):
             print(result)
 

@@ -23,8 +23,10 @@ def stats_for(profile: Profile, model_ref: dict) -> dict:
 @flow(name="calibrate")
 def calibrate(profile: Profile, model: str, out: str | None = None) -> dict:
     stats = stats_for(profile, resolve_model(profile.model(model).source))
-    return file_ref(publish(stats, out or layout.calibration_file(model)))
+    # a pipeline output (a DVC out) is replaced; a user's --out never
+    return file_ref(publish(stats, out or layout.calibration_file(model), replace=out is None))
 
 
 if __name__ == "__main__":
-    _cli.entry(calibrate, __doc__, out="statistics file (default artifacts/<model>/calibration.safetensors)")
+    _cli.entry(calibrate, __doc__, new_outputs={"out": "file"},
+               out="statistics file (default artifacts/<model>/calibration.safetensors)")

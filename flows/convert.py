@@ -73,5 +73,6 @@ def convert(profile: Profile, model: str, method: str, budget: float, out: str |
 
 
 if __name__ == "__main__":
-    _cli.entry(convert, __doc__, variant=True, stats_file="calibration statistics file (default: computed, cached)",
+    _cli.entry(convert, __doc__, variant=True, new_outputs={"out": "dir"},
+               stats_file="calibration statistics file (default: computed, cached)",
                out="checkpoint directory (default artifacts/<model>/<method>-<budget>/model)")

@@ -16,7 +16,7 @@ import json
 from prefect import flow
 
 from tasks import tracking
-from tasks.artifacts import publish
+from tasks.artifacts import new_output, publish
 from tasks.finetune import curves_csv, finetune_checkpoint, loss_curves
 from tasks.model import checkpoint_ref, dataset_ref, resolve_model
 from transmla.io.paths import write_text_atomic
@@ -30,11 +30,14 @@ from .params import Profile
 def finetune(profile: Profile, model: str, method: str, budget: float, checkpoint: str | None = None,
              out: str | None = None) -> dict:
     ft = profile.finetune
+    if out is not None:  # a directory the user named: refused now if in use, not after hours of training
+        new_output(out, "dir")
     src = checkpoint_ref(checkpoint or layout.checkpoint_dir(model, method, budget), "convert")
     teacher = resolve_model(profile.model(model).source) if ft.needs_teacher else None  # the original model
     ref = finetune_checkpoint(src, [dataset_ref(c) for c in ft.corpora], ft.config(profile.device), ft.max_documents,
                               teacher)
-    dest = publish(ref, out or layout.finetuned_dir(model, method, budget))
+    # a pipeline output (a DVC out) is replaced; a user's --out never
+    dest = publish(ref, out or layout.finetuned_dir(model, method, budget), replace=out is None)
     record = json.loads((dest / "transmla_finetune.json").read_text())
     curves = loss_curves(record["log_history"])
     summary = {"model": model, "method": method, "budget": budget, "corpora": list(ft.corpora),
@@ -43,7 +46,9 @@ def finetune(profile: Profile, model: str, method: str, budget: float, checkpoin
         write_text_atomic(layout.training_file(model, method, budget), json.dumps(summary, indent=2, default=str))
         write_text_atomic(layout.loss_curve_file(model, method, budget), curves_csv(curves))
     tracking.track(profile.mlflow.experiment, model, method, budget, finetuned=True,
-                   config={**ft.config(profile.device), "corpora": list(ft.corpora)},
+                   # the trained weights' hash too: a new conversion under the same settings trains anew, and
+                   # its curves must not be kept beside (MLflow keeps a curve once per run) the first training's
+                   config={**ft.config(profile.device), "corpora": list(ft.corpora), "finetuned_sha256": ref["sha256"]},
                    params={"model": model, "finetune": ft.config(profile.device), "corpora": ",".join(ft.corpora)},
                    metrics={"train_loss_mean": record["train_loss"],  # "train_loss" is the per-step curve
                             **{k: record[k] for k in ("val_loss_before", "val_loss_after", "val_kd_before",
@@ -56,6 +61,6 @@ def finetune(profile: Profile, model: str, method: str, budget: float, checkpoin
 
 
 if __name__ == "__main__":
-    _cli.entry(finetune, __doc__, variant=True,
+    _cli.entry(finetune, __doc__, variant=True, new_outputs={"out": "dir"},
                checkpoint="converted model dir (default artifacts/<model>/<method>-<budget>/model)",
                out="fine-tuned model dir (default artifacts/<model>/<method>-<budget>-ft/model)")

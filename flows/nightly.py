@@ -38,7 +38,7 @@ from transmla.io.sources import parse_source
 from . import _cli, layout
 from .convert import converted
 from .evaluate import evaluate_ref
-from .params import DEFAULT_PARAMS, load_profile
+from .params import DEFAULT_PARAMS, Profile, load_profile
 
 LEDGER = STORE / "nightly"
 
@@ -149,26 +149,29 @@ def render_report(records: list[dict], seen: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def deployment(params: str = str(DEFAULT_PARAMS)):
-    """The nightly deployment (cron from the params), for `serve` and for tests."""
+def deployment(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, profile: Profile | None = None):
+    """The nightly deployment (cron from the params), for `serve` and for tests. `overrides` (-S) shape
+    the schedule and every scheduled run; `profile`: load_profile(params, overrides), when already validated."""
     from prefect.schedules import Cron
 
-    profile = load_profile(params)
+    profile = profile or load_profile(params, overrides)
     return nightly.to_deployment(name="nightly", schedules=[Cron(profile.nightly.cron, timezone=profile.nightly.timezone)],
-                                 parameters={"params": params}, tags=["transmla", "nightly"])
+                                 parameters={"params": params, **({"overrides": overrides} if overrides else {})},
+                                 tags=["transmla", "nightly"])
 
 
 def main():
     ap = _cli.parser(__doc__)
     ap.add_argument("--serve", action="store_true", help="serve the deployment on its cron schedule (runs until stopped)")
     args = ap.parse_args()
-    profile = _cli.profile_of(args)  # validate before serving or running
+    overrides = _cli.overrides_of(args) or None
+    profile = load_profile(args.params, overrides)  # validate before serving or running
     if args.serve:
         from prefect import serve
 
-        serve(deployment(args.params))
+        serve(deployment(args.params, overrides, profile))
         return
-    records = nightly(args.params, _cli.overrides_of(args) or None)
+    records = nightly(args.params, overrides)
     print(f"report: {Path(profile.nightly.report).resolve()}")
     failed = [r for r in records if r["status"] == "failed"]
     if failed:

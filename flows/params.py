@@ -7,6 +7,7 @@ Model names are keys of `models:`; DVC stage names and artifact paths use them.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Literal
@@ -85,6 +86,21 @@ class FiguresParams(Strict):
         return v
 
 
+def check_budget(b: float) -> float:
+    """One KV-cache budget: a fraction in (0, 1] (the params' budget lists and the flows' --budget)."""
+    if not 0 < b <= 1:  # (also refuses nan)
+        raise ValueError(f"budget {b:g} is not a KV-cache fraction in (0, 1] (0.125 = an 87.5% cut)")
+    return b
+
+
+def check_budgets(v: tuple[float, ...]) -> tuple[float, ...]:
+    for b in v:
+        check_budget(b)
+    if len(set(v)) != len(v):
+        raise ValueError("budgets repeat")
+    return v
+
+
 class PipelineParams(Strict):
     """What `dvc repro` runs: models x budgets x methods (DVC matrix)."""
 
@@ -95,12 +111,7 @@ class PipelineParams(Strict):
     @field_validator("budgets")
     @classmethod
     def _ratios(cls, v):
-        for b in v:
-            if not 0 < b <= 1:
-                raise ValueError(f"budget {b} is not a KV-cache fraction in (0, 1] (0.125 = an 87.5% cut)")
-        if len(set(v)) != len(v):
-            raise ValueError("budgets repeat")
-        return v
+        return check_budgets(v)
 
 
 class RunnerParams(Strict):
@@ -198,6 +209,17 @@ class WatchQuery(Strict):
     hub: HubQuery
 
 
+def _cron_schedule(**fields):
+    """Prefect's CronSchedule (what the nightly deployment's schedule becomes) of `fields`; its complaint
+    as a ValueError."""
+    from prefect.client.schemas.schedules import CronSchedule
+
+    try:
+        return CronSchedule(**fields)
+    except ValidationError as e:
+        raise ValueError(e.errors()[0]["msg"].removeprefix("Value error, ")) from None
+
+
 class NightlyParams(Strict):
     """Nightly conversions of new model releases. A watch entry is a source string (its release id:
     hub commit, newest PyPI version matching its range, or content hash) or `{hub: {author, search}}`
@@ -210,6 +232,25 @@ class NightlyParams(Strict):
     timezone: str = "UTC"
     budgets: tuple[float, ...] = (0.125,)
     methods: tuple[Row, ...] = ("transmla-refit",)  # the recommended mode
+
+    @field_validator("budgets")
+    @classmethod
+    def _ratios(cls, v):
+        return check_budgets(v)
+
+    @field_validator("cron")
+    @classmethod
+    def _cron(cls, v):
+        # checked as Prefect checks the deployment's schedule (flows/nightly.py), at load rather than at --serve
+        try:
+            return _cron_schedule(cron=v).cron
+        except ValueError as e:
+            raise ValueError(f"{e} (five fields: minute hour day-of-month month day-of-week, e.g. '0 3 * * *')") from None
+
+    @field_validator("timezone")
+    @classmethod
+    def _timezone(cls, v):
+        return _cron_schedule(cron="0 3 * * *", timezone=v).timezone
 
     @field_validator("watch", mode="before")
     @classmethod
@@ -288,6 +329,26 @@ class Profile(Strict):
         return self.models[name]
 
 
+def _override(raw: dict, dotted: str, value) -> None:
+    """Set one -S KEY=VALUE in the raw profile. Keys descend through sections only: a list or a value
+    (pipeline.budgets.0, evaluation.limit.x) is replaced whole, never indexed into."""
+    *parents, leaf = keys = dotted.split(".")
+    if not all(keys):
+        raise TransMLAError(f"-S {dotted}=...: the key has an empty part.",
+                            "write dotted section keys, e.g. -S evaluation.limit=5.")
+    node = raw
+    for i, k in enumerate(parents):
+        if node.get(k) is None:  # absent, or an empty section (`nightly:` alone)
+            node[k] = {}
+        node = node[k]
+        if not isinstance(node, dict):
+            where = ".".join(keys[:i + 1])
+            whole = json.dumps(node, default=str)
+            raise TransMLAError(f"-S {dotted}=...: {where} is {whole}, not a section with keys.",
+                                f"set {where} whole, e.g. -S '{where}={whole}' with your change.")
+    node[leaf] = value
+
+
 def load_profile(path: str | os.PathLike | None = None, overrides: dict | None = None) -> Profile:
     """Read and validate a profile; one clear error naming the field on bad input."""
     p = Path(path or os.environ.get("TRANSMLA_PARAMS", DEFAULT_PARAMS))
@@ -296,17 +357,18 @@ def load_profile(path: str | os.PathLike | None = None, overrides: dict | None =
     try:
         raw = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
-        raise TransMLAError(f"{p} is not valid YAML: {e}", "fix the YAML syntax.") from e
+        raise TransMLAError(f"{p} is not valid YAML: {' '.join(str(e).split())}", "fix the YAML syntax.") from e
+    if not isinstance(raw, dict):
+        raise TransMLAError(f"{p} is not a mapping of sections (models:, pipeline:, ...).", "fix the YAML's top level.")
     for dotted, value in (overrides or {}).items():
-        node = raw
-        *parents, leaf = dotted.split(".")
-        for k in parents:
-            node = node.setdefault(k, {})
-        node[leaf] = value
+        _override(raw, dotted, value)
     try:
         return Profile.model_validate(raw)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
-        raise TransMLAError(f"{p}: {where}: {first['msg']} (got {first.get('input')!r}).",
-                            f"fix `{where}` in {p.name} (schema: flows/params.py).") from e
+        # a bad value given with -S is fixed there, not in the file
+        given = [k for k in overrides or {} if f"{where}.".startswith(f"{k}.") or f"{k}.".startswith(f"{where}.")]
+        fix = f"change -S {given[0]}=... (schema: flows/params.py)." if given else \
+            f"fix `{where}` in {p.name} (schema: flows/params.py)."
+        raise TransMLAError(f"{p}: {where}: {first['msg']} (got {first.get('input')!r}).", fix) from e

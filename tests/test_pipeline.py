@@ -265,6 +265,7 @@ def test_finetune_stage_cache_and_reeval(tmp_path, tiny_dir, monkeypatch):
     from flows.evaluate import evaluate
     from flows.finetune import finetune
     from flows.params import load_profile
+    from transmla.io.sources import load_model
 
     monkeypatch.chdir(tmp_path)
     count = Counter(monkeypatch)
@@ -299,6 +300,24 @@ def test_finetune_stage_cache_and_reeval(tmp_path, tiny_dir, monkeypatch):
     run = next(r for r in runs if r.data.tags["transmla.model"] == "ftp")
     history = mlflow.tracking.MlflowClient().get_metric_history(run.info.run_id, "train_loss")
     assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6]  # one point per logged step, nothing else
+    # A new conversion under the same settings trains anew; its run holds its own curve, not the first one's.
+    conv = tmp_path / "artifacts/ftp/transmla-0.25/model"
+    model, tok = load_model(str(conv))
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+    shutil.rmtree(conv)
+    model.save_pretrained(conv)
+    tok.save_pretrained(conv)
+    shutil.rmtree(ckpt)
+    finetune(load_profile(write_profile(tmp_path, tiny_dir, name="ftp"), {"finetune.lr": 1e-3}), "ftp", "transmla", 0.25)
+    assert count.take() == {"finetune": 1}
+    curve = {int(r.split(",")[0]): r.split(",")[1]
+             for r in (tmp_path / "reports/plots/ftp/transmla-0.25-ft-loss.csv").read_text().splitlines()[1:]}
+    runs = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.finetuned` = 'true'",
+                              output_format="list")
+    run = next(r for r in runs if r.data.tags["transmla.model"] == "ftp")
+    history = mlflow.tracking.MlflowClient().get_metric_history(run.info.run_id, "train_loss")
+    assert {m.step: m.value for m in history} == {k: pytest.approx(float(v)) for k, v in curve.items() if v}
 
 
 def test_finetune_stage_distils_from_the_original(tmp_path, tiny_dir, monkeypatch):

@@ -1,0 +1,233 @@
+"""Bad input to the flow modules (`python -m flows.X`): refused before any flow run starts, as one line
+(`transmla: error: ... Fix: ...`, exit 2), and nothing a user keeps at an explicit --out is replaced.
+
+The command-line tests point PREFECT_API_URL at a closed port: a flow run cannot start there, so a
+mistake only caught inside one fails the test with Prefect's "Failed to reach API" instead."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+import tasks  # noqa: F401  (Prefect defaults; conftest pointed the store at a temp dir)
+from transmla.errors import TransMLAError
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT = REPO / "params" / "default.yaml"
+
+
+def _profile(tmp_path: Path) -> Path:
+    # no model is ever loaded: every command below must stop before that
+    raw = {"models": {"tiny": {"source": str(tmp_path / "no-such-model")}},
+           "pipeline": {"models": ["tiny"], "budgets": [0.25], "methods": ["transmla"]}}
+    p = tmp_path / "profile.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+def _flow_cli(tmp_path: Path, module: str, *argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_API_URL": "http://127.0.0.1:9/api",
+           "PREFECT_CLIENT_MAX_RETRIES": "0"}
+    return subprocess.run([sys.executable, "-m", f"flows.{module}", "--params", str(_profile(tmp_path)), *argv],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _one_error_line(r: subprocess.CompletedProcess, *words: str) -> str:
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("transmla: error:") and "Fix:" in lines[0], r.stderr[-3000:]
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+# ------------------------------------------------------------------ 1. an explicit --out is never replaced
+
+def test_finetune_refuses_an_out_dir_in_use(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    r = _flow_cli(tmp_path, "finetune", "--model", "tiny", "--method", "transmla", "--budget", "0.25", "--out", str(out))
+    _one_error_line(r, str(out), "not empty", "--out")
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"
+
+
+def test_calibrate_refuses_an_existing_out_file(tmp_path):
+    out = tmp_path / "stats.safetensors"
+    out.write_bytes(b"mine")
+    r = _flow_cli(tmp_path, "calibrate", "--model", "tiny", "--out", str(out))
+    _one_error_line(r, str(out), "already exists", "--out")
+    assert out.read_bytes() == b"mine"
+
+
+def test_publish_replaces_pipeline_outputs_but_never_a_named_out(tmp_path):
+    from tasks.artifacts import dir_ref, file_ref, publish
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.bin").write_text("new")
+    (tmp_path / "src.json").write_text("new")
+
+    used_dir = tmp_path / "dir-out"
+    used_dir.mkdir()
+    (used_dir / "old.txt").write_text("old")
+    with pytest.raises(TransMLAError, match="choose a new --out"):
+        publish(dir_ref(src), used_dir, replace=False)
+    assert [p.name for p in used_dir.iterdir()] == ["old.txt"]
+    publish(dir_ref(src), used_dir)  # a pipeline output (a DVC out): replaced, as before
+    assert [p.name for p in used_dir.iterdir()] == ["model.bin"]
+
+    used_file = tmp_path / "file-out"
+    used_file.write_text("old")
+    with pytest.raises(TransMLAError, match="choose a new --out"):
+        publish(file_ref(tmp_path / "src.json"), used_file, replace=False)
+    assert used_file.read_text() == "old"
+    publish(file_ref(tmp_path / "src.json"), used_file)
+    assert used_file.read_text() == "new"
+
+    # a named output that is new, or an empty directory, is written
+    (tmp_path / "empty").mkdir()
+    assert (publish(dir_ref(src), tmp_path / "empty", replace=False) / "model.bin").is_file()
+    assert publish(file_ref(tmp_path / "src.json"), tmp_path / "new.json", replace=False).read_text() == "new"
+
+
+def test_finetune_flow_refuses_an_out_in_use_before_training(tmp_path):
+    """Called from Python (no CLI), the flow refuses too, at its start; no task runs."""
+    import flows.finetune as ft
+    from flows.params import load_profile
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(TransMLAError, match="not empty"):
+        ft.finetune.fn(load_profile(_profile(tmp_path)), "tiny", "transmla", 0.25, out=str(out))
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
+# ------------------------------------------------------------------ 2. nightly --serve keeps the -S overrides
+
+def test_nightly_serve_keeps_the_overrides(monkeypatch):
+    import prefect
+
+    import flows.nightly as nightly
+
+    served = []
+    monkeypatch.setattr(prefect, "serve", lambda *deployments, **_: served.extend(deployments))
+    monkeypatch.setattr(sys, "argv", ["flows.nightly", "--params", str(DEFAULT), "--serve",
+                                      "-S", "nightly.cron=5 4 * * 1", "-S", "nightly.timezone=Europe/Berlin",
+                                      "-S", "nightly.budgets=[0.25]"])
+    nightly.main()
+    (dep,) = served
+    (sched,) = dep.schedules
+    assert (sched.schedule.cron, sched.schedule.timezone) == ("5 4 * * 1", "Europe/Berlin")
+    # every scheduled night runs with them too
+    assert dep.parameters == {"params": str(DEFAULT), "overrides": {"nightly.cron": "5 4 * * 1",
+                                                                    "nightly.timezone": "Europe/Berlin",
+                                                                    "nightly.budgets": [0.25]}}
+
+
+def test_nightly_serve_refuses_a_bad_override_before_serving(monkeypatch):
+    import prefect
+
+    import flows.nightly as nightly
+
+    monkeypatch.setattr(prefect, "serve", lambda *a, **k: pytest.fail("served"))
+    monkeypatch.setattr(sys, "argv", ["flows.nightly", "--params", str(DEFAULT), "--serve", "-S", "nightly.cron=bogus"])
+    with pytest.raises(TransMLAError, match="nightly.cron"):
+        nightly.main()
+
+
+# ------------------------------------------------------------------ 3. --model/--method/--budget before the run
+
+@pytest.mark.parametrize("module, argv, words", [
+    ("convert", ["--model", "nosuch", "--method", "transmla", "--budget", "0.25"], ["'nosuch'", "['tiny']"]),
+    ("convert", ["--model", "tiny", "--method", "transmla", "--budget", "7"], ["--budget", "(0, 1]"]),
+    ("finetune", ["--model", "tiny", "--method", "transmla", "--budget", "0"], ["--budget", "(0, 1]"]),
+    ("evaluate", ["--model", "tiny", "--method", "transmla"], ["--budget"]),
+    ("figures", ["--model", "nosuch"], ["'nosuch'"]),
+], ids=["convert-model", "convert-budget", "finetune-budget", "evaluate-no-budget", "figures-model"])
+def test_variant_is_checked_before_the_flow_run(tmp_path, module, argv, words):
+    out = tmp_path / "out"
+    r = _flow_cli(tmp_path, module, *argv, *(["--out", str(out)] if module != "figures" else []))
+    _one_error_line(r, *words)
+    assert not out.exists() and not (tmp_path / "artifacts").exists() and not (tmp_path / "reports").exists()
+
+
+def test_check_variant_accepts_good_input():
+    from flows._cli import check_variant
+    from flows.params import load_profile
+
+    prof = load_profile(DEFAULT)
+    check_variant(prof, "smollm2-135m", "transmla", 0.125)
+    check_variant(prof, "smollm2-135m", "original", None)
+    check_variant(prof, "smollm2-135m")
+    with pytest.raises(TransMLAError, match="--budget"):
+        check_variant(prof, "smollm2-135m", "mha2mla", float("nan"))
+
+
+# ------------------------------------------------------------------ 4. -S overrides that cannot apply
+
+@pytest.mark.parametrize("override, where", [
+    ({"evaluation.limit.x": 5}, "evaluation.limit"),
+    ({"pipeline.budgets.0": 5}, "pipeline.budgets"),
+    ({"pipeline..budgets": [0.5]}, "pipeline..budgets"),
+])
+def test_override_into_a_value_is_one_error(override, where):
+    from flows.params import load_profile
+
+    with pytest.raises(TransMLAError) as e:
+        load_profile(DEFAULT, override)
+    text = str(e.value)
+    assert f"-S {next(iter(override))}" in text and where in text and "Fix:" in text and "\n" not in text
+
+
+def test_override_that_is_not_yaml_is_one_error():
+    from flows._cli import overrides_of
+
+    with pytest.raises(TransMLAError) as e:
+        overrides_of(SimpleNamespace(set=["evaluation.limit=["]))
+    text = str(e.value)
+    assert "evaluation.limit" in text and "not YAML" in text and "Fix:" in text and "\n" not in text
+
+
+def test_cli_override_that_is_not_yaml(tmp_path):
+    r = _flow_cli(tmp_path, "calibrate", "--model", "tiny", "-S", "evaluation.limit=[")
+    _one_error_line(r, "evaluation.limit", "not YAML")
+
+
+def test_bad_override_value_names_the_option():
+    from flows.params import load_profile
+
+    with pytest.raises(TransMLAError, match=r"Fix: change -S pipeline\.budgets="):
+        load_profile(DEFAULT, {"pipeline.budgets": [2]})
+
+
+# ------------------------------------------------------------------ 5. nightly budgets and schedule at load
+
+@pytest.mark.parametrize("override, field", [
+    ({"nightly.budgets": [7, -1]}, "nightly.budgets"),
+    ({"nightly.budgets": [0.25, 0.25]}, "nightly.budgets"),
+    ({"nightly.cron": "bogus"}, "nightly.cron"),
+    ({"nightly.cron": "61 3 * * *"}, "nightly.cron"),
+    ({"nightly.timezone": "Mars/Olympus"}, "nightly.timezone"),
+])
+def test_nightly_params_are_validated_at_load(override, field):
+    from flows.params import load_profile
+
+    with pytest.raises(TransMLAError) as e:
+        load_profile(DEFAULT, override)
+    assert field in str(e.value) and "Fix:" in str(e.value)
+
+
+def test_nightly_good_schedule_loads():
+    from flows.params import load_profile
+
+    night = load_profile(DEFAULT, {"nightly.cron": "30 2 * * 1-5", "nightly.timezone": "Asia/Tokyo",
+                                   "nightly.budgets": [0.125, 0.25]}).nightly
+    assert (night.cron, night.timezone, night.budgets) == ("30 2 * * 1-5", "Asia/Tokyo", (0.125, 0.25))
