@@ -184,6 +184,38 @@ def test_interrupted_run_resumes_from_last_checkpoint(converted, blocks, trained
     assert (_logprobs(model, x) - _logprobs(ref_model, x)).abs().max() < 1e-3
 
 
+def test_mean_train_loss_weights_each_entry_by_the_steps_it_covers():
+    """Losses equal to the step number, logged every 3 steps, the run resumed from the checkpoint at step 10:
+    Trainer restarts its count there, so the entry at 12 is the mean of steps 11-12, and step 10 (never
+    logged) is left out, not given another entry's loss."""
+    from transmla.training.finetune import mean_train_loss
+
+    def mean(a, b):  # the mean of losses a..b
+        return (a + b) / 2
+
+    before = [{"loss": mean(1, 3), "step": 3}, {"loss": mean(4, 6), "step": 6}, {"loss": mean(7, 9), "step": 9},
+              {"eval_loss": 1.0, "step": 10}]
+    after = [{"loss": mean(11, 12), "step": 12}, {"loss": mean(13, 15), "step": 15}, {"loss": mean(16, 18), "step": 18},
+             {"loss": mean(19, 20), "step": 20}]
+    covered = [s for s in range(1, 21) if s != 10]
+    assert mean_train_loss(before + after, resumed_at=10) == pytest.approx(sum(covered) / len(covered))
+    assert mean_train_loss(before, resumed_at=0) == pytest.approx(5.0)  # steps 1-9
+    assert mean_train_loss([], resumed_at=0) is None
+
+
+def test_the_last_step_is_logged_when_it_is_not_a_logging_step(converted, blocks, tmp_path):
+    """Trainer logs only at multiples of logging_steps: 5 steps logged every 3 would leave steps 4-5 out of the
+    loss curve and of the recorded mean."""
+    model, _ = load_model(str(converted))
+    record = finetune(model, blocks[0], blocks[1], _cfg(max_tokens=5 * 4 * 64, log_every=3, eval_every=5),
+                      str(tmp_path))
+    logged = [h for h in record["log_history"] if "loss" in h]
+    assert [h["step"] for h in logged] == [1, 3, 5]  # logging_first_step, every 3, the last
+    spans = {1: 1, 3: 2, 5: 2}
+    want = sum(h["loss"] * spans[h["step"]] for h in logged) / 5
+    assert record["train_loss"] == pytest.approx(want)
+
+
 def test_fingerprint_moments_are_chunked_float64():
     """The resume check's moments equal the whole-tensor float64 sums for any chunking (a partial last chunk,
     bf16 weights), so it needs no float64 copy of a large matrix."""

@@ -516,15 +516,35 @@ def _trainer_class():
     return RecoveryTrainer
 
 
-def mean_train_loss(history: list[dict]) -> float | None:
-    """The mean training loss over every step run, from the logged train losses (each the mean since the
-    entry before it): right for a resumed run too, whose Trainer reports only the steps it ran itself."""
-    prev, total = 0, 0.0
+def mean_train_loss(history: list[dict], resumed_at: int = 0) -> float | None:
+    """The mean training loss over the steps whose loss was logged, from the logged train losses.
+
+    Each entry is the mean since the step Trainer last logged. A run resumed from the checkpoint at step
+    `resumed_at` restarts that count there, so its first entry covers (resumed_at, step], not the steps
+    since the restored history's last entry (those between that entry and the checkpoint were never
+    logged, and are left out rather than given another entry's loss)."""
+    prev, covered, total = 0, 0, 0.0
     for h in history:
         if "loss" in h and "step" in h and h["step"] > prev:
-            total += h["loss"] * (h["step"] - prev)
+            start = max(prev, resumed_at) if h["step"] > resumed_at else prev
+            total += h["loss"] * (h["step"] - start)
+            covered += h["step"] - start
             prev = h["step"]
-    return total / prev if prev else None
+    return total / covered if covered else None
+
+
+def _log_last_step_callback():
+    """A callback that makes Trainer log at the last step: it logs only at multiples of logging_steps, so
+    without it a run whose max_steps is not one leaves its last steps out of the loss curve and the mean."""
+    from transformers import TrainerCallback
+
+    class LogLastStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= state.max_steps:
+                control.should_log = True
+            return control
+
+    return LogLastStep()
 
 
 def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig, work_dir: str,
@@ -574,7 +594,8 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
     # A resumed run has its step-0 loss in the restored history.
     args = training_arguments(cfg, work_dir, eval_on_start=resume is None)
     trainer = _trainer_class()(model=model, args=args, train_dataset=Blocks(train), eval_dataset=Blocks(val),
-                               data_collator=default_data_collator, callbacks=callbacks or [], cfg=cfg, teacher=teacher)
+                               data_collator=default_data_collator, callbacks=[*(callbacks or []), _log_last_step_callback()],
+                               cfg=cfg, teacher=teacher)
     t0 = time.perf_counter()
     try:
         if resume and _step_of(resume) >= cfg.max_steps:
@@ -613,7 +634,7 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
         "val_kd_after": final.get("eval_kd"),
         "val_attn_before": evals[0].get("eval_attn") if evals and evals[0]["step"] == 0 else None,
         "val_attn_after": final.get("eval_attn"),
-        "train_loss": mean_train_loss(history),
+        "train_loss": mean_train_loss(history, _step_of(resume) if resume else 0),
         "steps": trainer.state.global_step,
         "tokens_trained": trainer.state.global_step * cfg.tokens_per_step,
         "distinct_tokens": train.numel(),
