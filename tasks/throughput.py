@@ -46,7 +46,8 @@ PACKED_RUNS = ("original static", "converted absorb")
 # with `compiled_decode`, the absorbed run's steps as one compiled graph (transmla.runtime.compiled_decode)
 COMPILED_RUNS = ("converted absorb",)
 ATTENTION_NAMES = {"cpu": "this project's C++ latent kernel (`transmla.runtime.cpu_kernels`)",
-                   "sdpa": "PyTorch's SDPA", "bmm": "two batched matmuls", "triton": "the Triton split-K kernel"}
+                   "sdpa": "PyTorch's SDPA", "bmm": "two batched matmuls", "triton": "the Triton split-K kernel",
+                   "splitk_torch": "the split-K kernel's PyTorch form (Triton cannot run here)"}
 GEMM_NAMES = {"mkl": "MKL's packed sgemm", "onednn": "oneDNN's blocked layout",
               "stream": "the stream kernel on the stock layout (`transmla.runtime.cpu_kernels`)",
               "tiled": "the tiled kernel on a copy packed k-major in 48-column tiles (`transmla.runtime.cpu_kernels`)"}

@@ -152,7 +152,11 @@ class LatentLayer(CacheLayerMixin):
 
     def _reindex(self, fn) -> None:
         if self.is_initialized:
-            self.buffer = fn(self.buffer[:, : self.length]).contiguous()
+            rows = fn(self.buffer[:, : self.length])
+            # into a buffer of the old capacity: keeping only the valid tokens would make the next append
+            # reallocate and copy the whole cache (the first timed step of a decode_step run)
+            self.buffer = rows.new_empty(rows.shape[0], self.buffer.shape[1], rows.shape[2])
+            self.buffer[:, : self.length] = rows
             self._sync_views()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -309,13 +313,18 @@ def _precompute(attn: nn.Module, fold: bool | None) -> None:
 # static cache (runtime.compiled_decode) "cpu" is its blocked form, transmla::latent_decode_blocked_cpu.
 DECODE_KERNEL = "auto"
 DECODE_KERNELS = ("auto", "sdpa", "bmm", "triton", "cpu")
+# what "triton" runs where the Triton kernel cannot (off CUDA without Triton's interpreter, or no triton):
+# the same split-K attention in PyTorch (latent_decode_torch), reported under its own name so a row never
+# says "triton" for a run the Triton kernel took no part in
+SPLITK_TORCH = "splitk_torch"
 # "auto" on CUDA: the Triton kernel from this many cached tokens in the batch (B x T), bmm below
 AUTO_TRITON_MIN_TOKENS = 32768
 
 
 def decode_kernel(device: torch.device, batch: int = 1, length: int = 0, dtype: torch.dtype = torch.float32) -> str:
     """The single-token kernel `latent_attention` uses on `device` for `batch` sequences of `length`
-    cached tokens of `dtype`: "sdpa", "bmm", "triton" or "cpu"."""
+    cached tokens of `dtype`: "sdpa", "bmm", "triton", "cpu" or `SPLITK_TORCH` ("triton" asked for where
+    the Triton kernel does not run)."""
     from transmla.runtime import cpu_kernels
 
     if DECODE_KERNEL not in DECODE_KERNELS:
@@ -323,13 +332,15 @@ def decode_kernel(device: torch.device, batch: int = 1, length: int = 0, dtype: 
     if DECODE_KERNEL == "cpu" and (device.type != "cpu" or dtype != torch.float32 or not cpu_kernels.available()):
         raise TransMLAError(f"The 'cpu' decode kernel runs float32 on a CPU with AVX2 where it could be built, "
                             f"not {dtype} on {device.type}.", "use DECODE_KERNEL 'auto'.")
+    from transmla.runtime import latent_decode
+
+    if DECODE_KERNEL == "triton":  # the name of what latent_decode will dispatch to on this device
+        return "triton" if latent_decode.runs_triton(device) else SPLITK_TORCH
     if DECODE_KERNEL != "auto":
         return DECODE_KERNEL
     if device.type != "cuda":
         return "cpu" if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available() else "sdpa"
-    from transmla.runtime.latent_decode import triton_available
-
-    return "triton" if batch * length >= AUTO_TRITON_MIN_TOKENS and triton_available() else "bmm"
+    return "triton" if batch * length >= AUTO_TRITON_MIN_TOKENS and latent_decode.triton_available() else "bmm"
 
 
 def _mask_to(attention_mask, T: int):
@@ -396,6 +407,10 @@ def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, 
         from transmla.runtime.latent_decode import latent_decode
 
         return latent_decode(query.view(B, h, E), latent, rank, scaling, attention_mask).view(B, h, 1, rank)
+    if kernel == SPLITK_TORCH:
+        from transmla.runtime.latent_decode import latent_decode_torch
+
+        return latent_decode_torch(query.view(B, h, E), latent, rank, scaling, attention_mask).view(B, h, 1, rank)
     if S == 1:
         # Decode: fold the heads into the query-length axis of a single KV head (MQA). One [h, E] x
         # [E, T] product per sequence reads the cache once; a [B, 1, 1, T] mask broadcasts over heads.

@@ -57,6 +57,12 @@ def triton_available() -> bool:
     return True
 
 
+def runs_triton(device) -> bool:
+    """Whether `latent_decode` runs the Triton kernel for tensors on `device` (CUDA, or Triton's interpreter),
+    rather than its PyTorch form: one test for the dispatch and for the kernel name a run reports."""
+    return (torch.device(device).type == "cuda" or _interpret()) and triton_available()
+
+
 @functools.lru_cache(maxsize=4096)
 def choose_splits(batch: int, length: int, block_t: int, resident: int) -> int:
     """Chunks per sequence that minimise the kernel's time under a wave model.
@@ -270,6 +276,6 @@ def latent_decode(query: torch.Tensor, latent: torch.Tensor, rank: int, scaling:
     Returns:
         `torch.Tensor` of shape `[B, h, r]`.
     """
-    if (query.is_cuda or _interpret()) and triton_available():
+    if runs_triton(query.device):
         return latent_decode_op(query, latent, rank, scaling, mask)
     return latent_decode_torch(query, latent, rank, scaling, mask)

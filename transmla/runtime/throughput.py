@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -79,27 +80,78 @@ def hf_mla_cache_layout() -> str:
     return "latent" if width == cfg.kv_lora_rank else "expanded"
 
 
-def kv_bytes_per_token(config, backend: str = "hf", dtype: torch.dtype = torch.float32) -> int:
-    """KV-cache bytes per token of one sequence, all layers, as `backend` stores it.
+# This package's MLA exports whose attention caches Qwen3's key-norm scale beside k_pe, qk_norm_groups values
+# per token and layer (transmla.models.Qwen3MLAAttention; Gemma3MLAAttention inherits it; absorb does the same)
+KEY_SCALE_TYPES = ("transmla_qwen3_mla", "transmla_gemma3_mla")
+# ... and those whose attention is this package's own forward: it caches the latent whatever transformers does
+OWN_LATENT_TYPES = (*KEY_SCALE_TYPES, "transmla_gemma2_mla")
 
-    GQA (original):         2 * layers * kv_heads * head_dim * bytes
-    DeepseekV3, hf:         layers * (kv_lora_rank + qk_rope_head_dim) * bytes if the installed transformers
-                            caches the latent, else layers * heads * (qk_nope + qk_rope + v) * bytes
-    DeepseekV3, absorb:     layers * (kv_lora_rank + qk_rope_head_dim) * bytes
+
+def kv_values_per_layer(config, backend: str = "hf") -> int:
+    """Values one layer caches per token of one sequence, as `backend` stores them.
+
+    GQA (original):         2 * kv_heads * head_dim
+    MLA, absorb:            kv_lora_rank + qk_rope_head_dim (+ qk_norm_groups for the Qwen3 / Gemma 3 exports)
+    MLA, hf / static:       the same if the model caches the latent (this package's own attention classes, or
+                            the installed transformers' DeepseekV3), else heads * (qk_nope + qk_rope + v)
     """
     _check_backend(backend)
-    b = torch.empty((), dtype=dtype).element_size()
-    L = config.num_hidden_layers
     if not is_mla(config):
         if backend == "absorb":
             raise TransMLAError(f"The absorb backend needs an MLA model, not {config.model_type!r}.", "use backend 'hf'.")
         d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return 2 * L * config.num_key_value_heads * d * b
-    latent = L * (config.kv_lora_rank + config.qk_rope_head_dim) * b
-    if backend == "absorb" or hf_mla_cache_layout() == "latent":
-        return latent
+        return 2 * config.num_key_value_heads * d
+    if backend == "absorb" or config.model_type in OWN_LATENT_TYPES or hf_mla_cache_layout() == "latent":
+        scales = config.qk_norm_groups if config.model_type in KEY_SCALE_TYPES else 0
+        return config.kv_lora_rank + config.qk_rope_head_dim + scales
     h = config.num_attention_heads
-    return L * h * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim) * b
+    return h * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
+
+
+def cached_tokens_per_layer(config, backend: str, context: int) -> list[int]:
+    """Tokens each layer's cache holds once a sequence has `context` tokens, as `backend` caches them: every
+    token, except the sliding-window (and chunked) layers of transformers' caches ("hf": DynamicCache(config=...)
+    keeps the last window - 1, the step's own token completing the window; "static": StaticCache, window slots),
+    which are read from the config exactly as those caches read it. "absorb" (LatentCache) has no windows:
+    every layer keeps every token, the sliding layers' masks hide the older ones."""
+    _check_backend(backend)
+    if backend == "absorb":
+        return [context] * config.num_hidden_layers
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    held = []
+    for kind, kwargs in zip(*get_layer_types_and_kwargs(config.get_text_config(decoder=True)), strict=True):
+        window = kwargs.get("sliding_window")
+        if kind == "dummy":  # a layer that reuses another's cache, or has no attention
+            held.append(0)
+        elif window is None:
+            held.append(context)
+        else:
+            held.append(min(context, window - 1 if backend == "hf" else window))
+    return held
+
+
+def kv_cache_bytes(config, backend: str, context: int, dtype: torch.dtype = torch.float32) -> int:
+    """KV-cache bytes of one sequence of `context` tokens, all layers, as `backend` stores it
+    (`kv_values_per_layer` values for each token `cached_tokens_per_layer` keeps)."""
+    b = torch.empty((), dtype=dtype).element_size()
+    return kv_values_per_layer(config, backend) * sum(cached_tokens_per_layer(config, backend, context)) * b
+
+
+def kv_bytes_per_token(config, backend: str = "hf", dtype: torch.dtype = torch.float32,
+                       context: int | None = None) -> int | float:
+    """KV-cache bytes per token of one sequence, all layers, as `backend` stores it (`kv_values_per_layer`).
+
+    Without `context`: every layer caching the token (any context within every window; a model without
+    sliding layers at any context), layers * values per layer * bytes. With `context`: the cache of a sequence
+    of that many tokens over `context` (`kv_cache_bytes`; smaller where sliding layers keep only their window),
+    an int where every layer keeps every token, so models without windows get the same int either way.
+    """
+    b = torch.empty((), dtype=dtype).element_size()
+    every = config.num_hidden_layers * kv_values_per_layer(config, backend) * b
+    if context is None or all(n == context for n in cached_tokens_per_layer(config, backend, context)):
+        return every
+    return kv_cache_bytes(config, backend, context, dtype) / context
 
 
 def original_kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int | None:
@@ -172,27 +224,26 @@ def memory_bandwidth(device="cpu", nbytes: int = 1 << 30, repeats: int = 5, huge
         dst.copy_(src)
         synchronize(device)
         times.append(time.perf_counter() - t)
-    times.sort()
-    med = times[len(times) // 2]
+    med = statistics.median(times)  # the mean of the middle two for an even count, as everywhere here
     del src, dst
     return {"device": str(torch.device(device)), "bytes_per_s": 2 * n * 4 / med, "copy_bytes": n * 4,
-            "best_bytes_per_s": 2 * n * 4 / times[0], "repeats": repeats, "processor": processor_name(device),
+            "best_bytes_per_s": 2 * n * 4 / min(times), "repeats": repeats, "processor": processor_name(device),
             "hugepages": huge}
 
 
 def readings_summary(readings: list[dict], key: str = "bytes_per_s") -> dict:
     """Several readings of one rate spread through a run (`memory_bandwidth`: key "bytes_per_s";
-    `peak_flops`: "flops_per_s") -> the run's figure: the median reading (`key`) with the range of all of
-    them (`range_<key>`) and every reading in order (`readings_<key>`). Why several: on a shared host one
-    reading can land 50% above or below the usual (a neighbour idle or busy for that second), and a bound
-    divided by it swings as much."""
+    `peak_flops`: "flops_per_s") -> the run's figure: the median of the readings (`key`; the mean of the middle
+    two for an even count) with the range of all of them (`range_<key>`) and every reading in order
+    (`readings_<key>`). Why several: on a shared host one reading can land 50% above or below the usual (a
+    neighbour idle or busy for that second), and a bound divided by it swings as much."""
     if not readings:
         raise TransMLAError(f"No {key} readings to summarise.",
                             "take at least one (memory_bandwidth() or peak_flops()).")
     rates = [r[key] for r in readings]
     ordered = sorted(rates)
     return {**{k: v for k, v in readings[0].items() if k not in (key, f"best_{key}")},
-            key: ordered[len(ordered) // 2], f"range_{key}": [ordered[0], ordered[-1]],
+            key: statistics.median(rates), f"range_{key}": [ordered[0], ordered[-1]],
             "readings": len(rates), f"readings_{key}": rates}
 
 
@@ -269,24 +320,71 @@ def step_weights(model) -> list[torch.Tensor]:
     return out
 
 
-def weight_bytes_per_step(model) -> int:
-    """Bytes of weights one decode step reads (`step_weights`)."""
-    return sum(t.numel() * t.element_size() for t in step_weights(model))
+def routed_experts(model) -> list[tuple[list[torch.Tensor], int, int]]:
+    """The routed experts of each MoE block: (their weights, experts E, experts per token k). A block is a
+    module with an `experts` child (Mixtral's and DeepSeek-V3's 3-D `experts.*` tensors, or a ModuleList of
+    expert MLPs); its router (`gate`) and shared experts are siblings, not in the list: always active."""
+    cfg = model.config.get_text_config(decoder=True)
+    out = []
+    for block in model.modules():
+        experts = getattr(block, "experts", None)
+        if not isinstance(experts, torch.nn.Module):
+            continue
+        weights = list(experts.parameters())
+        E = getattr(experts, "num_experts", None) or (len(experts) if isinstance(experts, torch.nn.ModuleList) else None)
+        E = E or next((t.shape[0] for t in weights if t.dim() == 3), None)
+        k = getattr(block, "top_k", None) or getattr(getattr(block, "gate", None), "top_k", None) \
+            or getattr(cfg, "num_experts_per_tok", None)
+        if weights and E and k:
+            out.append((weights, int(E), min(int(k), int(E))))
+    return out
+
+
+def _split_experts(model) -> tuple[list[torch.Tensor], list[tuple[int, int, int, int]]]:
+    """`step_weights` as (the always-read tensors, per MoE block (elements of its matrices, bytes, E, k))."""
+    weights = step_weights(model)
+    ptr = {}
+    for group, E, k in routed_experts(model):
+        for t in group:
+            ptr[t.data_ptr()] = (id(group), E, k)
+    dense, blocks = [], {}
+    for t in weights:
+        if t.data_ptr() not in ptr:
+            dense.append(t)
+            continue
+        key, E, k = ptr[t.data_ptr()]
+        numel, nbytes, _, _ = blocks.get(key, (0, 0, E, k))
+        blocks[key] = (numel + (t.numel() if t.dim() >= 2 else 0), nbytes + t.numel() * t.element_size(), E, k)
+    return dense, list(blocks.values())
+
+
+def weight_bytes_per_step(model, batch: int | None = None) -> int:
+    """Bytes of weights one decode step of `batch` sequences reads (`step_weights`). Routed MoE experts: a step
+    of B tokens, k experts each, touches at most min(E, B k) of a block's E experts, so that bound (equal-sized
+    experts) stands for them; every expert without `batch`."""
+    dense, blocks = _split_experts(model)
+    total = sum(t.numel() * t.element_size() for t in dense)
+    for _, nbytes, E, k in blocks:
+        total += nbytes * (E if batch is None else min(E, batch * k)) // E
+    return total
 
 
 def step_bytes(model, backend: str, context: int, batch: int) -> dict:
-    """The least a decode step at `context` cached tokens must read: weights + the batch's KV cache."""
+    """The least a decode step at `context` cached tokens must read: weights (`weight_bytes_per_step`) + the
+    batch's KV cache (`kv_cache_bytes`: sliding layers of the hf / static caches hold only their window)."""
     dtype = next(model.parameters()).dtype
-    kv = batch * context * kv_bytes_per_token(model.config, "hf" if backend == "static" else backend, dtype)
-    w = weight_bytes_per_step(model)
+    kv = batch * kv_cache_bytes(model.config, backend, context, dtype)
+    w = weight_bytes_per_step(model, batch)
     return {"weight_bytes": w, "kv_bytes": kv, "step_bytes": w + kv}
 
 
 def step_flops(model, backend: str, context: int, batch: int) -> dict:
     """Floating-point operations of one decode step at `context` cached tokens (multiply + add = 2):
 
-    linear      2 B * (elements of every matrix in `step_weights`; vectors such as norms are elementwise)
-    attention   per layer and query head, over the context: GQA (original) 2 B T (head_dim + head_dim);
+    linear      2 B * (elements of every matrix in `step_weights`; vectors such as norms are elementwise), a
+                routed MoE block's experts at k / E of their elements (a token runs its k experts of E)
+    attention   per layer and query head, over the T tokens that layer's cache holds (`cached_tokens_per_layer`:
+                a sliding layer's window in the hf / static caches): GQA (original) 2 B T (head_dim + head_dim);
                 absorb 2 B T ((kv_lora_rank + qk_rope_head_dim) + kv_lora_rank), the scores over the whole
                 latent and the values over its first kv_lora_rank dims; DeepseekV3 "hf" 2 B T (qk_nope +
                 qk_rope + v) plus, where transformers caches the latent, its re-expansion by kv_b_proj
@@ -294,8 +392,10 @@ def step_flops(model, backend: str, context: int, batch: int) -> dict:
     Softmax and the elementwise work are left out: a floor, not an estimate."""
     _check_backend(backend)
     config = model.config
-    linear = 2 * batch * sum(t.numel() for t in step_weights(model) if t.dim() >= 2)
-    h, T = config.num_attention_heads, context
+    dense, blocks = _split_experts(model)
+    linear = 2 * batch * sum(t.numel() for t in dense if t.dim() >= 2)
+    linear += sum(2 * batch * numel * k // E for numel, _, E, k in blocks)
+    h = config.num_attention_heads
     if not is_mla(config):
         d = getattr(config, "head_dim", None) or config.hidden_size // h
         per_key = 2 * d
@@ -305,7 +405,7 @@ def step_flops(model, backend: str, context: int, batch: int) -> dict:
         per_key = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
         if hf_mla_cache_layout() == "latent":
             per_key += config.kv_lora_rank * (config.qk_nope_head_dim + config.v_head_dim)
-    attention = 2 * batch * T * h * per_key * config.num_hidden_layers
+    attention = 2 * batch * h * per_key * sum(cached_tokens_per_layer(config, backend, context))
     return {"linear_flops": linear, "attention_flops": attention, "step_flops": linear + attention}
 
 
@@ -452,8 +552,9 @@ def measure(
     Returns a dict: output tokens/s over prefill + decode (B * output_len / total wall time, as vLLM's
     throughput benchmark counts output tokens), decode-only tokens/s and time per output token
     (steps after the first token), prefill seconds (to the first generated token), peak RSS (see
-    `rss_method`), KV bytes per token from the config formula and from the returned cache's tensors,
-    and KV capacity in `cache_memory_bytes` with its ratio to the original model's.
+    `rss_method`), KV bytes per token from the config formula and from the returned cache's tensors (both
+    at the length it reached), and KV capacity in `cache_memory_bytes` (every layer caching every token, as
+    `kv_bytes_per_token` without a context) with its ratio to the original model's.
     """
     from transmla.runtime.absorb import absorbed
 
@@ -500,9 +601,11 @@ def measure(
     t_first = clock.times[1] if len(clock.times) > 1 else t_end
     total = t_end - t0
     decode = t_end - t_first
-    kv_formula = kv_bytes_per_token(config, backend, dtype)
+    # the formula at the length the returned cache reached (sliding layers of the hf cache keep their window
+    # only); the capacity per token with every layer caching it, as the original's from the export's metadata
+    kv_formula = kv_bytes_per_token(config, backend, dtype, context=cached_tokens or None)
     kv_orig = original_kv_bytes_per_token(config, dtype)
-    capacity = kv_capacity_tokens(kv_formula, cache_memory_bytes)
+    capacity = kv_capacity_tokens(kv_bytes_per_token(config, backend, dtype), cache_memory_bytes)
     orig_capacity = kv_capacity_tokens(kv_orig, cache_memory_bytes) if kv_orig else None
     return {
         "backend": backend,
@@ -660,7 +763,7 @@ def decode_step(
             length = int(cache.get_seq_length())
             kv_measured = cache_nbytes(cache) / (batch * length)
             times.sort()
-            median = times[len(times) // 2]
+            median = statistics.median(times)  # the mean of the middle two for an even number of steps
             roof = roofline(model, backend, context, batch, median, bandwidth=bandwidth, flops=flops)
             del out, cache
     finally:
@@ -691,8 +794,8 @@ def decode_step(
         "time_per_output_token_max_ms": 1e3 * times[-1],
         "decode_tokens_per_s": batch / median,
         "prefill_one_sequence_s": prefill,
-        "kv_bytes_per_token": kv_bytes_per_token(config, "hf" if backend == "static" else backend,
-                                                 next(model.parameters()).dtype),
+        # at the length reached, as measured: sliding layers of the hf / static caches keep only their window
+        "kv_bytes_per_token": kv_bytes_per_token(config, backend, next(model.parameters()).dtype, context=length),
         "kv_bytes_per_token_measured": kv_measured,
         **roof,
     }
