@@ -73,12 +73,12 @@ def check_variant(profile: Profile, model: str | None, method: str | None = None
 def check_new_outputs(args, kinds: dict[str, str]) -> None:
     """An explicit output option (e.g. --out) must name nothing there yet: the flows replace their
     output atomically, which would delete what a user keeps there. Checked before the flow run, so a
-    refusal costs nothing. kinds: option name -> "dir" | "file"."""
-    from tasks.artifacts import new_output
+    refusal costs nothing. kinds: option name -> "new_dir" | "new_file" (io.paths.check_output)."""
+    from transmla.io.paths import check_output
 
     for name, kind in kinds.items():
         if getattr(args, name, None):
-            new_output(getattr(args, name), kind, "--" + name.replace("_", "-"))
+            check_output(getattr(args, name), kind, "--" + name.replace("_", "-"))
 
 
 def run(main) -> None:
@@ -322,7 +322,7 @@ def entry(flow, doc: str, variant: bool | str = False, model: bool = True, new_o
     --params/-S always; --model (and --method/--budget for a converted `variant`); each option
     `name="help"` becomes --name (a flag if the help starts with "flag:"), passed to the flow as
     name=value when given. The flow is called as flow(profile, model, method, budget, **options).
-    new_outputs: {option: "dir" | "file"}: output options refused when given and already holding something.
+    new_outputs: {option: "new_dir" | "new_file"}: output options refused when given and already holding something.
     The profile, --model/--method/--budget and those outputs are checked before the flow run starts.
     """
     ap = variant_parser(doc, original=variant == "or-original") if variant else parser(doc)

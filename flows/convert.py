@@ -73,6 +73,6 @@ def convert(profile: Profile, model: str, method: str, budget: float, out: str |
 
 
 if __name__ == "__main__":
-    _cli.entry(convert, __doc__, variant=True, new_outputs={"out": "dir"},
+    _cli.entry(convert, __doc__, variant=True, new_outputs={"out": "new_dir"},
                stats_file="calibration statistics file (default: computed, cached)",
                out="checkpoint directory (default artifacts/<model>/<method>-<budget>/model)")

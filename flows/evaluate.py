@@ -77,6 +77,6 @@ def evaluate(profile: Profile, model: str, method: str, budget: float | None = N
 
 
 if __name__ == "__main__":
-    _cli.entry(evaluate, __doc__, variant="or-original", new_outputs={"out": "file"},
+    _cli.entry(evaluate, __doc__, variant="or-original", new_outputs={"out": "new_file"},
                checkpoint="model dir (default artifacts/<model>/<method>-<budget>[-ft]/model)",
                finetuned="flag: evaluate the fine-tuned model", out="metrics JSON (default reports/metrics/...)")

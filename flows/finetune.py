@@ -16,10 +16,10 @@ import json
 from prefect import flow
 
 from tasks import tracking
-from tasks.artifacts import new_output, publish
+from tasks.artifacts import publish
 from tasks.finetune import curves_csv, finetune_checkpoint, loss_curves
 from tasks.model import checkpoint_ref, dataset_ref, resolve_model
-from transmla.io.paths import write_text_atomic
+from transmla.io.paths import check_output, write_text_atomic
 from transmla.training import layerwise
 
 from . import _cli, layout
@@ -31,7 +31,7 @@ def finetune(profile: Profile, model: str, method: str, budget: float, checkpoin
              out: str | None = None) -> dict:
     ft = profile.finetune
     if out is not None:  # a directory the user named: refused now if in use, not after hours of training
-        new_output(out, "dir")
+        check_output(out, "new_dir")
     src = checkpoint_ref(checkpoint or layout.checkpoint_dir(model, method, budget), "convert")
     teacher = resolve_model(profile.model(model).source) if ft.needs_teacher else None  # the original model
     ref = finetune_checkpoint(src, [dataset_ref(c) for c in ft.corpora], ft.config(profile.device), ft.max_documents,
@@ -61,6 +61,6 @@ def finetune(profile: Profile, model: str, method: str, budget: float, checkpoin
 
 
 if __name__ == "__main__":
-    _cli.entry(finetune, __doc__, variant=True, new_outputs={"out": "dir"},
+    _cli.entry(finetune, __doc__, variant=True, new_outputs={"out": "new_dir"},
                checkpoint="converted model dir (default artifacts/<model>/<method>-<budget>/model)",
                out="fine-tuned model dir (default artifacts/<model>/<method>-<budget>-ft/model)")

@@ -59,6 +59,6 @@ def throughput_flow(profile: Profile, model: str, method: str, budget: float, ch
 
 
 if __name__ == "__main__":
-    _cli.entry(throughput_flow, __doc__, variant=True, new_outputs={"out": "dir"},
+    _cli.entry(throughput_flow, __doc__, variant=True, new_outputs={"out": "new_dir"},
                checkpoint="converted model dir (default artifacts/<model>/<method>-<budget>/model)",
                out="output dir (default reports/throughput/<model>/<method>-<budget>)")

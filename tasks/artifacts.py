@@ -31,7 +31,7 @@ from prefect import task
 from safetensors.torch import load_file, save_file
 
 from transmla.errors import TransMLAError
-from transmla.io.paths import atomic_dir, atomic_file, new_output_dir
+from transmla.io.paths import atomic_dir, atomic_file, check_output
 from transmla.io.sources import sha256_file
 
 from . import codehash
@@ -200,23 +200,12 @@ def _existing(ref: dict) -> Path:
     return p
 
 
-def new_output(path: str | os.PathLike, kind: str, option: str = "--out") -> Path:
-    """An output path a user named (`option`), which must hold nothing yet: a "dir" absent or empty,
-    a "file" absent. Publishing there replaces what is there, and that is the user's data."""
-    if kind == "dir":
-        return new_output_dir(path)
-    p = Path(path).expanduser().resolve()
-    if p.exists() or p.is_symlink():
-        raise TransMLAError(f"Output file {p} ({option}) already exists.", f"choose a new {option} or remove it.")
-    return p
-
-
 def publish(ref: dict, dest: str | os.PathLike, replace: bool = True) -> Path:
     """Copy an artifact (file or directory) to a pipeline output path (a DVC out), atomically.
     replace=False (a path the user named, e.g. --out): refused if `dest` already holds something."""
     src, dest = _existing(ref), Path(dest)
     if not replace:  # (checked up front as well; here again: the run may have taken hours)
-        new_output(dest, "dir" if src.is_dir() else "file")
+        check_output(dest, "new_dir" if src.is_dir() else "new_file")
     dest.parent.mkdir(parents=True, exist_ok=True)
     if src.is_dir():
         with atomic_dir(dest) as tmp:

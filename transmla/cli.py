@@ -60,7 +60,7 @@ def _offline_defaults() -> None:
 
 
 def cmd_fetch_model(args) -> dict:
-    from transmla.io.export import check_output
+    from transmla.io.paths import check_output
     from transmla.io.sources import fetch_model
 
     check_output(args.out)  # before a download or dequantisation, not after it
@@ -69,7 +69,7 @@ def cmd_fetch_model(args) -> dict:
 
 def cmd_ppl(args) -> dict:
     from transmla.evaluation.perplexity import check_windows, wikitext2_perplexity
-    from transmla.io.export import check_output
+    from transmla.io.paths import check_output
     from transmla.io.sources import load_model, source_info
 
     # refused before the model is materialised or loaded: main() writes --out after the whole evaluation
@@ -180,29 +180,13 @@ def _check_corpora(names: list[str], data_dir) -> None:
             raise TransMLAError(f"--corpora {n}: {e.problem}", e.fix) from None
 
 
-def _check_mla_source(source: str) -> None:
-    """finetune trains converted MLA models only: a local directory's config.json says so without loading
-    its weights (other sources are checked by finetune_on_corpora once loaded)."""
-    from types import SimpleNamespace
-
-    from transmla.io.sources import parse_source
-    from transmla.training.finetune import check_mla_model
-
-    src = parse_source(source)
-    path = os.path.join(src.location, "config.json") if src.kind == "dir" else None
-    if path and os.path.isfile(path):
-        with open(path) as f:
-            model_type = json.load(f).get("model_type")
-        check_mla_model(SimpleNamespace(config=SimpleNamespace(model_type=model_type)))
-
-
 def cmd_finetune(args) -> dict:
     from pathlib import Path
 
     from transmla.io.data import load_documents
-    from transmla.io.export import check_output
-    from transmla.training.finetune import FinetuneConfig, finetune_on_corpora
-    from transmla.io.sources import load_model
+    from transmla.io.paths import check_output
+    from transmla.training.finetune import FinetuneConfig, check_mla_type, finetune_on_corpora
+    from transmla.io.sources import load_model, source_config
     from transmla.runtime.memory import peak_rss_bytes
 
     cfg = FinetuneConfig(**{k: getattr(args, k) for k in FinetuneConfig.model_fields})
@@ -218,7 +202,7 @@ def cmd_finetune(args) -> dict:
         check_output(work, "dir", "--work-dir")
     names = [c.strip() for c in args.corpora.split(",") if c.strip()]
     _check_corpora(names, args.data_dir)
-    _check_mla_source(args.model)
+    check_mla_type(source_config(args.model, args.cache_dir).get("model_type"))  # its config, not its weights
     model, tok = load_model(args.model, dtype="float32", device=args.device, cache=args.cache_dir)
     teacher = None  # with --objective lm a teacher only scores: the validation KL, for comparing objectives
     if args.teacher:

@@ -142,7 +142,8 @@ def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_di
     """Load `source`, calibrate, convert, export to `out`. Returns the conversion record plus timings
     (the timings stay out of the checkpoint, so identical conversions give identical checkpoints)."""
     from transmla.io.data import calibration_parts
-    from transmla.io.export import check_output, write_checkpoint
+    from transmla.io.export import write_checkpoint
+    from transmla.io.paths import check_output
     from transmla.io.sources import check_source, load_model, source_info
 
     t0 = time.perf_counter()

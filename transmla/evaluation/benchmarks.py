@@ -258,7 +258,7 @@ def check_evaluation(tasks, limit: int | None = None, num_fewshot: int = 0, prot
                      out_dir: str | Path | None = None) -> None:
     """Refuse a request `evaluate` cannot run as asked, from its arguments alone: callers check it before
     they load or materialise the model (an unusable out_dir would otherwise fail after the whole run)."""
-    from transmla.io.export import check_output
+    from transmla.io.paths import check_output
 
     for t in tasks:
         if t not in TASKS:

@@ -7,7 +7,6 @@ half-written model behind.
 from __future__ import annotations
 
 import json
-import os
 import struct
 import sys
 from pathlib import Path
@@ -15,31 +14,8 @@ from pathlib import Path
 import torch
 
 from transmla.adapters import GQASpec
-from transmla.errors import TransMLAError
-from transmla.io.paths import atomic_dir, new_output_dir
+from transmla.io.paths import atomic_dir, check_output
 from transmla.method.rope import inv_freq, is_standard, longrope_parameters
-
-
-def check_output(path: str | Path, kind: str = "new_dir", flag: str = "--out") -> Path:
-    """Resolve an output path and refuse, up front, one the run could not write at its end (hours of work
-    lost otherwise): kind new_dir = a directory that must not exist or be empty (io.paths.new_output_dir),
-    dir = a directory that may exist, file = a file (not an existing directory). The nearest existing
-    ancestor must be a writable directory: a file on the way fails only at mkdir time."""
-    out = new_output_dir(path) if kind == "new_dir" else Path(path).expanduser().resolve()
-    if kind == "dir" and out.exists() and not out.is_dir():
-        raise TransMLAError(f"{flag} {out} is a file, not a directory.", f"give {flag} a directory path.")
-    if kind == "file" and out.is_dir():
-        raise TransMLAError(f"{flag} {out} is a directory.", f"give {flag} a file path, e.g. {out / 'result.json'}.")
-    up = out if kind == "dir" and out.is_dir() else out.parent  # where the first write lands
-    while not up.exists():
-        up = up.parent
-    if not up.is_dir():
-        raise TransMLAError(f"{flag} {out} cannot be created: {up} is a file.",
-                            f"choose a {flag} whose parent folders are directories.")
-    if not os.access(up, os.W_OK | os.X_OK):
-        raise TransMLAError(f"{flag} {out} cannot be created: {up} is not writable.",
-                            f"choose a {flag} in a folder you can write to.")
-    return out
 
 
 def original_inv_freq(spec: GQASpec) -> torch.Tensor:

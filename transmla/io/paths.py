@@ -41,13 +41,42 @@ def cache_dir(override: str | os.PathLike | None = None) -> Path:
     return root
 
 
-def new_output_dir(path: str | os.PathLike) -> Path:
+def new_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     """Resolve an output directory that must not exist yet (or be empty); one clear error otherwise."""
     from transmla.errors import TransMLAError
 
     out = Path(path).expanduser().resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise TransMLAError(f"Output directory {out} exists and is not empty.", "choose a new --out or remove it.")
+        raise TransMLAError(f"Output directory {out} exists and is not empty.", f"choose a new {flag} or remove it.")
+    return out
+
+
+def check_output(path: str | Path, kind: str = "new_dir", flag: str = "--out") -> Path:
+    """Resolve an output path and refuse, up front, one the run could not write at its end (hours of work
+    lost otherwise): kind new_dir = a directory that must not exist or be empty (new_output_dir), dir = a
+    directory that may exist, file = a file (not an existing directory), new_file = a file not there yet (a
+    path the user named, which an atomic replace would overwrite). The nearest existing ancestor must be a
+    writable directory: a file on the way fails only at mkdir time."""
+    from transmla.errors import TransMLAError
+
+    if kind not in ("new_dir", "dir", "file", "new_file"):
+        raise ValueError(f"check_output kind {kind!r}")
+    out = new_output_dir(path, flag) if kind == "new_dir" else Path(path).expanduser().resolve()
+    if kind == "new_file" and (out.exists() or out.is_symlink()):
+        raise TransMLAError(f"Output file {out} ({flag}) already exists.", f"choose a new {flag} or remove it.")
+    if kind == "dir" and out.exists() and not out.is_dir():
+        raise TransMLAError(f"{flag} {out} is a file, not a directory.", f"give {flag} a directory path.")
+    if kind in ("file", "new_file") and out.is_dir():
+        raise TransMLAError(f"{flag} {out} is a directory.", f"give {flag} a file path, e.g. {out / 'result.json'}.")
+    up = out if kind == "dir" and out.is_dir() else out.parent  # where the first write lands
+    while not up.exists():
+        up = up.parent
+    if not up.is_dir():
+        raise TransMLAError(f"{flag} {out} cannot be created: {up} is a file.",
+                            f"choose a {flag} whose parent folders are directories.")
+    if not os.access(up, os.W_OK | os.X_OK):
+        raise TransMLAError(f"{flag} {out} cannot be created: {up} is not writable.",
+                            f"choose a {flag} in a folder you can write to.")
     return out
 
 

@@ -733,8 +733,8 @@ def decode_step(
             nxt = out.logits[:, -1:].argmax(-1).repeat(batch, 1)  # [batch, 1]
             latent_layout = "rows" if backend == "absorb" else None
             if compiled:
-                decode_loop = ("native" if native and gemm_used == "tiled" and native_decode.unsupported(model) is None
-                               else "compiled")
+                # native_decode.unsupported checks the packing too (the "tiled" kernel on every linear)
+                decode_loop = "native" if native and native_decode.unsupported(model) is None else "compiled"
                 cache = compiled_decode.StaticLatentCache.from_latent_cache(cache, batch, total,
                                                                             blocked=True if decode_loop == "native" else None)
                 latent_layout = "blocked" if cache.blocked else "rows"

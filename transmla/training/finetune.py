@@ -271,19 +271,25 @@ def param_groups(model, lr: float, weight_decay: float, attention_lr_scale: floa
     return [groups[k] for k in sorted(groups)]
 
 
-def check_mla_model(model, cfg: FinetuneConfig | None = None) -> None:
-    """A converted MLA model: stock DeepseekV3 (a TransMLA export or a genuine DeepSeek checkpoint: only
-    identity-built latent norms are unfolded for training, real ones are trained as norms) or an export
-    into one of this package's classes (transmla.models: Mixtral, Qwen3, Gemma 2/3; their extra weights,
-    Qwen3's query norm and raw-key norm projection, Gemma's own norms, are trained as they are)."""
-    from transmla.models import Gemma2MLAConfig, Gemma3MLAConfig, MODEL_TYPES
+def check_mla_type(model_type: str | None) -> None:
+    """A converted MLA model's type (its config.json's model_type): checkable before any weight loads."""
+    from transmla.models import MODEL_TYPES
 
-    model_type = getattr(model.config, "model_type", None)
     if model_type != "deepseek_v3" and model_type not in MODEL_TYPES:
         raise TransMLAError(
             f"finetune expects a converted MLA checkpoint, got model_type={model_type!r}.",
             "convert the model first (transmla convert / the convert stage) and fine-tune its output directory.",
         )
+
+
+def check_mla_model(model, cfg: FinetuneConfig | None = None) -> None:
+    """A converted MLA model: stock DeepseekV3 (a TransMLA export or a genuine DeepSeek checkpoint: only
+    identity-built latent norms are unfolded for training, real ones are trained as norms) or an export
+    into one of this package's classes (transmla.models: Mixtral, Qwen3, Gemma 2/3; their extra weights,
+    Qwen3's query norm and raw-key norm projection, Gemma's own norms, are trained as they are)."""
+    from transmla.models import Gemma2MLAConfig, Gemma3MLAConfig
+
+    check_mla_type(getattr(model.config, "model_type", None))
     if cfg is not None and isinstance(model.config, (Gemma2MLAConfig, Gemma3MLAConfig)):
         # the teacher's attention would need each layer's own RoPE and sliding-window mask
         for name in ("attn_weight", "layerwise_epochs"):
