@@ -505,6 +505,82 @@ def test_attention_match_is_zero_for_a_lossless_conversion(tiny_model_dir, block
     match.remove()
 
 
+class _Regather(torch.autograd.Function):
+    """Identity whose backward first restores a released weight (a sharding engine's pre-backward hook)."""
+
+    @staticmethod
+    def forward(ctx, x, param, full):
+        ctx.param, ctx.full = param, full
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.param.data = ctx.full[0]
+        return g, None, None
+
+
+def _shard_like_zero3(module):
+    """Holds module's weight only from its forward to its end, and again from its backward on, as DeepSpeed
+    ZeRO-3 does with every parameter (released: a 0-element tensor); returns the hook handles."""
+    param, full = module.weight, [module.weight.data]
+
+    def gather(_m, _a):
+        param.data = full[0]
+
+    def release(_m, _a, out):
+        full[0] = param.data
+        param.data = torch.empty(0, dtype=param.dtype)
+        wrap = lambda t: _Regather.apply(t, param, full) if torch.is_tensor(t) and t.requires_grad else t  # noqa: E731
+        return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
+
+    return [module.register_forward_pre_hook(gather), module.register_forward_hook(release)]
+
+
+@pytest.mark.parametrize("objective", ["lm", "kd+lm"])
+def test_the_loss_reads_the_head_through_its_module_as_a_sharded_run_must(cut, blocks, sharp, tmp_path, objective):
+    """The fused loss reads the output head outside the model's forward; under a sharding engine that holds
+    the head only within its module's forward and backward (ZeRO-3) the fine-tune still runs, and trains
+    exactly as without it."""
+    cfg = _cfg(objective=objective, max_tokens=4 * 4 * 64)
+    teacher = (lambda: _teacher(sharp)) if objective != "lm" else (lambda: None)
+    model, _ = load_model(str(cut))
+    plain = finetune(model, blocks[0], blocks[1], cfg, str(tmp_path / "plain"), teacher=teacher())
+    model, _ = load_model(str(cut))
+    assert not model.config.tie_word_embeddings
+    hooks = _shard_like_zero3(model.lm_head)
+    sharded = finetune(model, blocks[0], blocks[1], cfg, str(tmp_path / "sharded"), teacher=teacher())
+    for h in hooks:
+        h.remove()
+    losses = lambda r: [h["loss"] for h in r["log_history"] if "loss" in h]  # noqa: E731
+    assert len(losses(sharded)) == 4 and losses(sharded) == pytest.approx(losses(plain), abs=1e-5)
+    assert sharded["val_loss_after"] == pytest.approx(plain["val_loss_after"], abs=1e-5)
+
+
+def test_attention_block_errors_score_each_block_as_if_alone(cut, blocks, sharp):
+    """Validation's attention error is a mean of per-block errors however many processes run: the batched
+    per-block errors equal each block's error from its own forward, and their mean is not the batch's
+    ratio of sums (which a run in one process used to report)."""
+    from transmla.training.distill import AttentionMatch
+
+    model, _ = load_model(str(cut))
+    match = AttentionMatch(model, _teacher(sharp))
+    ids = blocks[1][:3]
+    with torch.no_grad(), match:
+        model(ids, use_cache=False)
+    batched = match.block_errors()
+    assert batched.shape == (3,) and match.terms == []
+    alone = []
+    for i in range(3):
+        with torch.no_grad(), match:
+            model(ids[i:i + 1], use_cache=False)
+        alone.append(match.loss().item())
+    assert batched.tolist() == pytest.approx(alone, rel=1e-4)
+    with torch.no_grad(), match:
+        model(ids, use_cache=False)
+    assert match.loss().item() != pytest.approx(batched.mean().item(), rel=1e-6)
+    match.remove()
+
+
 def test_attention_matching_lowers_the_attention_error(cut, blocks, sharp, tmp_path):
     """kd + attention matching (weighted to dominate): the validation attention error falls, the curve is logged, the saved
     checkpoint is stock DeepseekV3; activation checkpointing's recompute adds no terms (same run)."""

@@ -211,12 +211,26 @@ class AttentionMatch:
         self._active = False
 
     def loss(self) -> torch.Tensor:
-        """The mean relative error over the layers recorded by the last `with` block."""
+        """The mean relative error over the layers recorded by the last `with` block (the batch's sums)."""
         if not self.terms:
             raise RuntimeError("no attention layer ran inside the `with` block")
         errs = [relative_error(out, t) for out, t in self.terms]
         self.terms = []  # the outputs' graphs are released with the loss
         return torch.stack(errs).mean()
+
+    def block_errors(self) -> torch.Tensor:
+        """[batch]: each block's mean relative error over the recorded layers, without gradient.
+
+        Validation scores blocks one by one (a run in several processes must, to drop the sampler's
+        repeated blocks), so one process scores them the same way from one batched forward.
+        """
+        if not self.terms:
+            raise RuntimeError("no attention layer ran inside the `with` block")
+        with torch.no_grad():
+            errs = [(out.float() - t).pow(2).flatten(1).sum(1) / t.pow(2).flatten(1).sum(1).clamp_min(1e-12)
+                    for out, t in self.terms]
+        self.terms = []
+        return torch.stack(errs).mean(0)
 
     def remove(self) -> None:
         for h in self._hooks:

@@ -429,7 +429,7 @@ def _trainer_class():
                 self.optimizer = cls(groups, **kwargs)
             return super().create_optimizer(model)
 
-        def _losses(self, model, input_ids, objective):
+        def _losses(self, model, input_ids, objective, attn_blocks: bool = False):
             # The forward goes through `model` as Trainer hands it (DistributedDataParallel under
             # torchrun / accelerate launch: its forward prepares the gradient all-reduce); the final
             # hidden states are taken at the last norm and the loss is chunked over the vocabulary with
@@ -450,12 +450,14 @@ def _trainer_class():
                     t_h = t.model(input_ids=input_ids.to(t.device), use_cache=False).last_hidden_state
                     t_h, t_w = t_h.to(hidden.device), t.lm_head.weight.to(hidden.device)
                     t_cap = getattr(t.config, "final_logit_softcapping", None)  # Gemma 2
-            loss, parts = recovery_loss(hidden, model.lm_head.weight, input_ids, objective, t_h, t_w,
-                                        tau=self.cfg.kd_temperature, kd_weight=self.cfg.kd_weight,
-                                        chunk=self.cfg.loss_chunk,
-                                        softcap=getattr(model.config, "final_logit_softcapping", None),
-                                        teacher_softcap=t_cap)
-            if self.match is not None:
+            head = model.lm_head
+            loss, parts = _call_as(head, lambda h: recovery_loss(
+                h, head.weight, input_ids, objective, t_h, t_w, tau=self.cfg.kd_temperature,
+                kd_weight=self.cfg.kd_weight, chunk=self.cfg.loss_chunk,
+                softcap=getattr(model.config, "final_logit_softcapping", None), teacher_softcap=t_cap), hidden)
+            if self.match is not None and attn_blocks:  # validation: one attention error per block
+                parts["attn"] = self.match.block_errors().tolist()
+            elif self.match is not None:
                 attn = self.match.loss()
                 loss = loss + self.cfg.attn_weight * attn
                 parts["attn"] = attn.item()
@@ -475,11 +477,15 @@ def _trainer_class():
             objective = "lm" if self.teacher is None else "kd"
             with torch.no_grad():
                 if self.accelerator.num_processes == 1:
-                    rows = [self._losses(model, ids, objective)[1]] * len(ids)  # the batch's means, per block
+                    # the batch's cross-entropy and KL (blocks of one length: their mean is the blocks' mean),
+                    # the attention error per block
+                    parts = self._losses(model, ids, objective, attn_blocks=True)[1]
+                    rows = [{**parts, "attn": parts["attn"][i] if "attn" in parts else None} for i in range(len(ids))]
                 else:
                     # Block by block: the distributed sampler fills the last batch with repeated blocks, and
                     # gather_for_metrics drops them only as rows, so a batch mean would count them in part.
-                    rows = [self._losses(model, ids[i:i + 1], objective)[1] for i in range(len(ids))]
+                    rows = [self._losses(model, ids[i:i + 1], objective, attn_blocks=True)[1] for i in range(len(ids))]
+                    rows = [{**r, "attn": r["attn"][0] if "attn" in r else None} for r in rows]
             # [n, 3]: cross-entropy, KL and attention error per block, every process's blocks counted once, so
             # a run in N processes scores the validation blocks as one does
             vals = torch.tensor([[r["lm"], r.get("kd") or 0.0, r.get("attn") or 0.0] for r in rows],
@@ -520,6 +526,21 @@ def _trainer_class():
             super().log(logs, start_time)
 
     return RecoveryTrainer
+
+
+def _call_as(module: torch.nn.Module, fn, *args):
+    """fn(*args) run as `module`'s forward, with the hooks a sharding engine put on the module.
+
+    The loss reads the head's weight outside the model's forward. DeepSpeed ZeRO-3 partitions every
+    weight between its module's forward and backward, and gathers it only through that module's hooks:
+    for the loss in forward and again before the gradient reaches the weight in backward. DDP and FSDP2
+    (the root unit holds the head unsharded until backward) need no hook; the call costs them nothing.
+    """
+    module.forward = fn
+    try:
+        return module(*args)
+    finally:
+        del module.forward
 
 
 def mean_train_loss(history: list[dict], resumed_at: int = 0) -> float | None:
