@@ -43,7 +43,7 @@ def regenerate(text: str) -> str:
         if line.strip() == "deps:":
             in_deps = True
             out.append(line)
-            indent = None
+            indent = line[: len(line) - len(line.lstrip())] + "  "  # until a dep line shows its own
             continue
         if in_deps:
             m = DEP.match(line)
@@ -56,6 +56,8 @@ def regenerate(text: str) -> str:
             out += [f"{indent}- {f}" for f in closure(flows[stage])[0]]
             in_deps = False
         out.append(line)
+    if in_deps:  # the file ends inside a stage's deps
+        out += [f"{indent}- {f}" for f in closure(flows[stage])[0]]
     return "\n".join(out) + "\n"
 
 

@@ -69,8 +69,11 @@ def figures(profile: Profile, model: str, stats_file: str | None = None, out_dir
     fig4a = {"layer": L, "rope_dim": f.fig4a_rope_dim, "series": series, "energy": energy}
 
     # Fig. 4b: drop RoPE from more and more dims at full KV rank.
+    # the original in the precision the sweep's conversions are built in (export.dtype), so the curves
+    # start from their own baseline
     original = load_json(perplexity(model_ref, dataset_ref(profile.evaluation.ppl_dataset),
-                                    profile.evaluation.ppl_seqlen, f.ppl_max_tokens))["ppl"]
+                                    profile.evaluation.ppl_seqlen, f.ppl_max_tokens, profile.export.dtype,
+                                    profile.device))["ppl"]
     curves = {"MHA2MLA (2-norm)": [], "RoRoPE": [], f"RoRoPE + FreqFold {f.freqfold}": []}
     for R in f.rope_dims:
         for label, method, fold in (("MHA2MLA (2-norm)", "mha2mla", 1), ("RoRoPE", "transmla", 1),

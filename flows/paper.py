@@ -2,7 +2,7 @@
 
     for each model:  calibrate -> [convert -> evaluate] per budget x method, evaluate original
                      -> [finetune -> evaluate --finetuned] per finetune.budgets x finetune.methods
-                     -> figures
+                     -> figures -> throughput per throughput.budgets x throughput.methods
     report (Table 1 + figures)
 
     python -m flows.paper [--params params/paper.yaml] [-S runner.kind=dask]
@@ -29,6 +29,7 @@ from .figures import figures
 from .finetune import finetune
 from .params import Profile
 from .report import report
+from .throughput import throughput_flow
 
 
 def variant_rows(profile: Profile, model: str, method: str, budget: float, stats: str) -> dict:
@@ -47,9 +48,9 @@ def variant_rows(profile: Profile, model: str, method: str, budget: float, stats
     return rows
 
 
-def pipeline(profile: Profile, no_figures: bool = False) -> str:
+def pipeline(profile: Profile, no_figures: bool = False, no_throughput: bool = False) -> str:
     """Every model of the profile, then the report."""
-    p = profile.pipeline
+    p, tp = profile.pipeline, profile.throughput
     for model in p.models:
         stats = calibrate(profile, model)["path"]
         evaluate(profile, model, "original")
@@ -57,6 +58,10 @@ def pipeline(profile: Profile, no_figures: bool = False) -> str:
                                      for budget in p.budgets for method in p.methods], profile.runner)
         if not no_figures:
             figures(profile, model, stats_file=stats)
+        # appendix F, one run at a time on this machine (the params keep these rows inside the matrix above)
+        for budget in () if no_throughput else tp.budgets:
+            for method in tp.methods:
+                throughput_flow(profile, model, method, budget)
     return report(profile)
 
 
@@ -68,10 +73,11 @@ variant = task(variant_rows, name="variant", persist_result=False, cache_policy=
 paper_flow = flow(pipeline, name="paper")
 
 
-def paper(profile: Profile, no_figures: bool = False) -> str:
+def paper(profile: Profile, no_figures: bool = False, no_throughput: bool = False) -> str:
     """The paper flow on the profile's `runner:` (in-process, or a Dask cluster)."""
-    return paper_flow.with_options(task_runner=cluster.task_runner(profile.runner))(profile, no_figures)
+    return paper_flow.with_options(task_runner=cluster.task_runner(profile.runner))(profile, no_figures, no_throughput)
 
 
 if __name__ == "__main__":
-    _cli.entry(paper, __doc__, model=False, no_figures="flag: skip Figs. 4-5")
+    _cli.entry(paper, __doc__, model=False, no_figures="flag: skip Figs. 4-5",
+               no_throughput="flag: skip the decode throughput runs (appendix F)")

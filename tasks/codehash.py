@@ -5,7 +5,8 @@ inside a function, absolute or relative), transitively, and the `__init__.py` of
 the way (Python runs them on import). Project modules are those under transmla/, tasks/, flows/.
 The third-party distributions the closure imports (torch, transformers, lm-eval, ...) enter the key
 with their installed versions: lm-eval's task YAMLs supply the benchmark prompts, transformers and
-torch the numerics.
+torch the numerics; so do the distributions that the library's own imports declare they need
+(tokenizers for transformers), one level down.
 
 `code_key(module)` is what a task's cache key hashes; dvc.yaml's code deps are generated from the
 same closures (flows/dag.py), so a DVC stage and the tasks inside it see the same code.
@@ -86,8 +87,16 @@ def imports_of(name: str) -> tuple[frozenset[str], frozenset[str]]:
 @functools.lru_cache(maxsize=None)
 def closure(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(sorted repo-relative files, sorted third-party top-level names) that importing `name` can run."""
+    files, external, _ = _closure(name)
+    return files, external
+
+
+@functools.lru_cache(maxsize=None)
+def _closure(name: str) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """closure(name) and, third, the third-party names the library (transmla/) part of it imports."""
     seen: set[str] = set()
     external: set[str] = set()
+    library: set[str] = set()
     todo = [name]
     while todo:
         mod = todo.pop()
@@ -99,10 +108,12 @@ def closure(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
             seen.add(m)
             proj, ext = imports_of(m)
             external |= ext
+            if m.split(".")[0] == "transmla":
+                library |= ext
             todo.extend(proj - seen)
     files = {str(module_file(m).relative_to(REPO_ROOT)) for m in seen}
     files |= {f for m in seen for f in native_sources(m)}
-    return tuple(sorted(files)), tuple(sorted(external))
+    return tuple(sorted(files)), tuple(sorted(external)), tuple(sorted(library))
 
 
 @functools.lru_cache(maxsize=None)
@@ -149,7 +160,38 @@ def package_versions(names) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
+@functools.lru_cache(maxsize=None)
+def requirements(dist: str) -> tuple[str, ...]:
+    """The installed distributions `dist` declares it needs (its requirements outside any extra)."""
+    out = set()
+    for req in importlib.metadata.requires(dist) or ():
+        if "extra ==" in req.partition(";")[2]:
+            continue
+        name = req.partition(";")[0].strip()
+        for sep in "<>=!~[ (":
+            name = name.partition(sep)[0]
+        try:
+            out.add(importlib.metadata.metadata(name)["Name"])
+        except importlib.metadata.PackageNotFoundError:
+            pass  # an optional or platform-specific requirement not installed here
+    return tuple(sorted(out))
+
+
+def library_versions(names) -> dict[str, str]:
+    """{distribution: version} of the library's third-party modules `names` and of what each declares it
+    needs (one level): transformers runs tokenizers, which produces every token id, though no project
+    module imports it."""
+    direct = package_versions(names)
+    out = dict(direct)
+    for dist in direct:
+        for req in requirements(dist):
+            out.setdefault(req, importlib.metadata.version(req))
+    return dict(sorted(out.items()))
+
+
 def code_key(name: str) -> dict:
-    """What a task defined in module `name` can execute: its closure's file hashes and package versions."""
-    files, external = closure(name)
-    return {"files": {f: file_digest(f) for f in files}, "packages": package_versions(external)}
+    """What a task defined in module `name` can execute: its closure's file hashes and package versions
+    (the orchestration's own packages, Prefect and the like, without what they need: they run no numerics)."""
+    files, external, library = _closure(name)
+    return {"files": {f: file_digest(f) for f in files},
+            "packages": {**package_versions(external), **library_versions(library)}}

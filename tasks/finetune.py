@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 
+from transmla.errors import TransMLAError
 from transmla.io.data import load_documents
 from transmla.training.finetune import FinetuneConfig, finetune_on_corpora
 from transmla.io.sources import content_hash, load_model
@@ -29,6 +31,11 @@ def finetune_checkpoint(model: dict, corpora: list[dict], config: dict, max_docu
     The ref carries the run summary (tokens, losses before/after, tokens/s); the directory holds
     transmla_finetune.json with the full Trainer log history (loss curves).
     """
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        # the config's steps count WORLD_SIZE processes, which the key does not see; this task is one process
+        raise TransMLAError(f"WORLD_SIZE={os.environ['WORLD_SIZE']}: the pipeline's fine-tune runs in one process. "
+                            "Fix: unset WORLD_SIZE, or fine-tune in several with `torchrun ... -m transmla.cli "
+                            "finetune` (configs/accelerate/README.md)")
     d = task_dir()
     cfg = FinetuneConfig(**config)
     m, tok = load_model(model["path"], dtype="float32", device=cfg.device)  # fp32 master weights; bf16 = autocast

@@ -55,7 +55,8 @@ GEMM_NAMES = {"mkl": "MKL's packed sgemm", "onednn": "oneDNN's blocked layout",
 
 def median_row(rows: list[dict]) -> dict:
     """One steady-decode cell from repeated measurements: the median repeat (by time per token), with
-    the range of the repeats' medians (min, max) beside it."""
+    the range of the repeats' medians (min, max) beside it. For an even count it is the slower of the
+    middle two, a whole measured row (its other columns derive from its time), not their mean."""
     rows = sorted(rows, key=lambda r: r["time_per_output_token_ms"])
     mid = dict(rows[len(rows) // 2])
     mid["repeats"] = len(rows)

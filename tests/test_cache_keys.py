@@ -69,6 +69,24 @@ def test_closures_are_what_the_tasks_run():
     assert "transmla/method/mla.py" in ft  # norm_identity_scale
 
 
+def test_the_libraries_the_library_needs_are_in_the_key(monkeypatch):
+    """tokenizers produces every token id but no project module imports it: it enters the key as a requirement
+    of transformers, which the library imports, and a new version of it changes the key; Prefect's own
+    requirements (orchestration: no numerics) do not."""
+    import importlib.metadata as md
+
+    key = codehash.code_key("tasks.calibrate")
+    assert "tokenizers" not in codehash.closure("tasks.calibrate")[1]
+    assert "tokenizers" in key["packages"] and "transformers" in key["packages"] and "prefect" in key["packages"]
+    library = codehash.package_versions(codehash._closure("tasks.calibrate")[2])
+    assert "prefect" not in library  # imported by tasks/ only
+    prefect_only = set(codehash.requirements("prefect")) - {r for d in library for r in codehash.requirements(d)}
+    assert prefect_only and not prefect_only & set(key["packages"])
+    real = md.version
+    monkeypatch.setattr(md, "version", lambda d: "99.0" if d == "tokenizers" else real(d))
+    assert codehash.code_key("tasks.calibrate")["packages"]["tokenizers"] == "99.0"
+
+
 def test_native_sources_are_in_the_closure_and_the_key(monkeypatch):
     """The C++ a module compiles (its NATIVE_SOURCES) is code the step runs: in the closure of every task
     that can reach it, and a change to it changes the key."""
@@ -164,3 +182,16 @@ def test_cli_defaults_are_the_params_defaults():
     e = EvaluationOptions()
     assert ev["tasks"].split(",") == list(e.tasks) and ev["limit"] == e.limit and int(ev["batch_size"]) == e.batch_size
     assert ev["seed"] == e.seed and {a.dest: a.default for a in sub["ppl"]._actions}["seqlen"] == e.ppl_seqlen
+
+
+def test_regenerate_writes_the_code_deps_of_a_stage_that_ends_the_file():
+    """A stage whose deps list is the last thing in dvc.yaml gets its code deps as any other does."""
+    from flows import dag
+
+    name = next(iter(dag._flows()))
+    text = f"stages:\n  {name}:\n    cmd: python -m {dag._flows()[name]}\n    deps:\n      - data/x.jsonl\n"
+    lines = dag.regenerate(text).splitlines()
+    assert lines[:5] == text.splitlines()
+    assert lines[5:] == [f"      - {f}" for f in dag.code_deps(name)] and len(lines) > 5
+    bare = dag.regenerate(text.replace("      - data/x.jsonl\n", "")).splitlines()
+    assert bare[4:] == [f"      - {f}" for f in dag.code_deps(name)]

@@ -6,6 +6,7 @@ mistake only caught inside one fails the test with Prefect's "Failed to reach AP
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -231,3 +232,35 @@ def test_nightly_good_schedule_loads():
     night = load_profile(DEFAULT, {"nightly.cron": "30 2 * * 1-5", "nightly.timezone": "Asia/Tokyo",
                                    "nightly.budgets": [0.125, 0.25]}).nightly
     assert (night.cron, night.timezone, night.budgets) == ("30 2 * * 1-5", "Asia/Tokyo", (0.125, 0.25))
+
+
+def test_finetune_task_refuses_several_processes_before_any_work(monkeypatch, tmp_path):
+    """The fine-tune's steps count WORLD_SIZE processes, which its cache key does not see: the pipeline's task
+    (one process) refuses a WORLD_SIZE other than 1 before it reads the model, instead of caching a run made
+    for another process count under the one-process key."""
+    from tasks.finetune import finetune_checkpoint
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(TransMLAError, match="WORLD_SIZE=2.*torchrun"):
+        finetune_checkpoint.fn({"path": str(tmp_path / "no-such-model")}, [], {})
+
+
+def test_report_refuses_rows_scored_under_other_evaluation_params(tmp_path, monkeypatch):
+    """The report's notes describe the benchmarks from the params: rows whose protocol or document limit differ
+    (a stale metrics file, or -S evaluation.protocol=... given to the report alone) are refused, naming them."""
+    from flows import layout
+    from flows.params import load_profile
+    from flows.report import rows_of
+
+    profile = load_profile(_profile(tmp_path), {"evaluation.protocol": "paper", "evaluation.limit": 5})
+    monkeypatch.setattr(layout, "metrics_file", lambda m, meth, b, ft: tmp_path / f"{meth}-{b}-{ft}.json")
+    row = {"model": "tiny", "budget": None, "finetuned": False, "protocol": "paper", "eval_limit": 5}
+    for meth, b in (("original", None), ("transmla", 0.25)):
+        (tmp_path / f"{meth}-{b}-False.json").write_text(json.dumps({**row, "method": meth, "budget": b}))
+    assert [r["method"] for r in rows_of(profile)] == ["original", "transmla"]
+    (tmp_path / "transmla-0.25-False.json").write_text(json.dumps({**row, "method": "transmla", "budget": 0.25,
+                                                                    "protocol": "lm_eval"}))
+    with pytest.raises(TransMLAError, match=r"tiny transmla 0.25: protocol 'lm_eval'.*dvc repro"):
+        rows_of(profile)
+    with pytest.raises(TransMLAError, match="eval_limit 5"):
+        rows_of(load_profile(_profile(tmp_path), {"evaluation.protocol": "lm_eval", "evaluation.limit": 7}))

@@ -549,9 +549,17 @@ def test_paper_flow_end_to_end(tmp_path, tiny_dir, monkeypatch):
     from flows.paper import paper
     from flows.params import load_profile
 
+    import flows.paper
+    from flows import layout
+
     monkeypatch.chdir(tmp_path)
-    prof = load_profile(write_profile(tmp_path, tiny_dir, name="e2e"))  # its own MLflow runs
+    # its own MLflow runs; appendix F's runs stubbed (tested in test_throughput_stage), on the converted rows
+    prof = load_profile(write_profile(tmp_path, tiny_dir, name="e2e", throughput={"budgets": [0.25]}))
+    timed = []
+    monkeypatch.setattr(flows.paper, "throughput_flow", lambda _p, *variant: timed.append(
+        (variant, (layout.checkpoint_dir(*variant) / "config.json").is_file())))
     text = paper(prof)
+    assert timed == [(("e2e", "transmla", 0.25), True)]
     assert (tmp_path / "reports/table1.md").read_text() == text
     rows = [line for line in text.splitlines() if line.startswith("| e2e |")]
     assert [r.split("|")[2].strip() for r in rows] == ["Original", "MHA2MLA", "TransMLA", "TransMLA"]
