@@ -184,3 +184,23 @@ def test_finetune_checks_pass_for_a_converted_model(work, no_weights):
     with pytest.raises(WeightsTouched):
         main(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora", "wikitext2-train",
               *common])
+
+
+def test_finetune_refuses_a_missing_teacher_before_loading(work, capsys, no_weights):
+    root, common = work
+    _refused(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora", "wikitext2-train",
+              "--teacher", str(root / "no-such-teacher"), *common], capsys, root, "no-such-teacher")
+
+
+def test_finetune_refuses_a_teacher_of_another_vocabulary_before_loading(llama_dir, work, capsys, no_weights):
+    """The student's and the teacher's configs are compared before either loads; the same vocabulary passes."""
+    root, common = work
+    student = _mla_dir(root)
+    vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
+    (student / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "vocab_size": vocab + 1}))
+    argv = ["finetune", "--model", str(student), "--out", str(root / "ft"), "--corpora", "wikitext2-train",
+            "--teacher", str(llama_dir), *common]
+    _refused(argv, capsys, root, f"teacher's vocabulary ({vocab} tokens)", f"student's ({vocab + 1})", "--teacher")
+    (student / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "vocab_size": vocab}))
+    with pytest.raises(WeightsTouched):
+        main(argv)

@@ -185,7 +185,7 @@ def cmd_finetune(args) -> dict:
 
     from transmla.io.data import load_documents
     from transmla.io.paths import check_output
-    from transmla.training.finetune import FinetuneConfig, check_mla_type, finetune_on_corpora
+    from transmla.training.finetune import FinetuneConfig, check_mla_type, check_teacher_config, finetune_on_corpora
     from transmla.io.sources import load_model, source_config
     from transmla.runtime.memory import peak_rss_bytes
 
@@ -202,7 +202,10 @@ def cmd_finetune(args) -> dict:
         check_output(work, "dir", "--work-dir")
     names = [c.strip() for c in args.corpora.split(",") if c.strip()]
     _check_corpora(names, args.data_dir)
-    check_mla_type(source_config(args.model, args.cache_dir).get("model_type"))  # its config, not its weights
+    student = source_config(args.model, args.cache_dir)  # configs, not weights: checked before any loads
+    check_mla_type(student.get("model_type"))
+    if args.teacher:
+        check_teacher_config(student, source_config(args.teacher, args.cache_dir))
     model, tok = load_model(args.model, dtype="float32", device=args.device, cache=args.cache_dir)
     teacher = None  # with --objective lm a teacher only scores: the validation KL, for comparing objectives
     if args.teacher:

@@ -741,7 +741,7 @@ def decode_step(
                 step = (native_decode.native_step(model) if decode_loop == "native"
                         else compiled_decode.compiled_step(model, gemm=gemm_used))
             elif backend == "static":
-                cache = static_copy(cache, config, batch, total)
+                cache = static_copy(cache, config, batch, total, seen=ids.shape[-1])
             else:
                 cache.batch_repeat_interleave(batch)
             cache_hugepages = hugepages and cache_to_hugepages(cache)
@@ -833,19 +833,32 @@ def cache_to_hugepages(cache) -> bool:
     return False
 
 
-def static_copy(cache, config, batch: int, max_cache_len: int):
+def static_copy(cache, config, batch: int, max_cache_len: int, seen: int | None = None):
     """A preallocated StaticCache of `batch` rows holding the single prefilled sequence of `cache` (a
-    DynamicCache) in every row: the original model's decode in its best stock form."""
+    DynamicCache of `seen` tokens) in every row: the original model's decode in its best stock form.
+
+    A sliding layer's static buffer holds its window's last tokens in order once `seen` fills it (the
+    layout its own update leaves); the dynamic layer keeps one token fewer, so the buffer's first slot
+    stays empty: the next step rolls it out before attending. Both length counters are set, the
+    tensor one and the int one that tells a sliding layer it is full.
+    """
     from transformers import StaticCache
 
     static = StaticCache(config=config, max_cache_len=max_cache_len)
     for src, dst in zip(cache.layers, static.layers, strict=True):
-        k, v = src.keys, src.values  # [1, kv_heads, T, d]
-        T = k.shape[-2]
+        k, v = src.keys, src.values  # [1, kv_heads, n, d]: n = seen, or a sliding layer's last window - 1
+        total = k.shape[-2] if seen is None else seen
         dst.lazy_initialization(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1))
-        dst.keys[:, :, :T] = k
-        dst.values[:, :, :T] = v
-        dst.cumulative_length.fill_(T)
+        cap = dst.keys.shape[-2]
+        if total > max_cache_len:
+            raise ValueError(f"{total} cached tokens do not fit a static cache of {max_cache_len}")
+        n = min(k.shape[-2], cap)
+        at = cap - n if total >= cap else 0  # full: the newest tokens at the end
+        dst.keys[:, :, at:at + n] = k[:, :, -n:]
+        dst.values[:, :, at:at + n] = v[:, :, -n:]
+        dst.cumulative_length.fill_(total)
+        if hasattr(dst, "cumulative_length_int"):
+            dst.cumulative_length_int = total
     return static
 
 

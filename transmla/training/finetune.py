@@ -282,6 +282,16 @@ def check_mla_type(model_type: str | None) -> None:
         )
 
 
+def check_teacher_config(student: dict, teacher: dict) -> None:
+    """The teacher's config against the student's, before either loads: distillation compares their
+    next-token distributions, so their vocabularies must agree (the loaded models are checked again)."""
+    s, t = (c.get("text_config", c).get("vocab_size") for c in (student, teacher))
+    if s is not None and t is not None and s != t:
+        raise TransMLAError(
+            f"The teacher's vocabulary ({t} tokens) is not the student's ({s}): distillation compares their "
+            "next-token distributions.", "pass the original model the student was converted from as --teacher.")
+
+
 def check_mla_model(model, cfg: FinetuneConfig | None = None) -> None:
     """A converted MLA model: stock DeepseekV3 (a TransMLA export or a genuine DeepSeek checkpoint: only
     identity-built latent norms are unfolded for training, real ones are trained as norms) or an export
