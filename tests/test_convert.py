@@ -254,6 +254,8 @@ def test_budget_shorthand_reproduces_paper_settings():
         (dict(dtype="float16"), "float16"),
         (dict(freqfold=3), "freqfold=3"),
         (dict(kv_cache_ratio=1.5), "not in"),
+        (dict(kv_cache_ratio=0.5, kv_lora_rank=5), r"kv_cache_ratio=0.5 means 32 cached values .* = 13"),
+        (dict(lossless=True, kv_cache_ratio=0.5), "lossless keeps the whole KV cache"),
     ],
 )
 def test_bad_requests_leave_nothing(tiny_model_dir, tmp_path, opts, words):

@@ -169,6 +169,10 @@ class ConvertOptions(Options):
     def _lossless(self):
         if self.lossless and self.method != "transmla":
             raise ValueError("lossless is a TransMLA mode (drop --method mha2mla or --lossless)")
+        budget = [k for k in ("kv_cache_ratio", "qk_rope_dim", "kv_lora_rank") if getattr(self, k) is not None]
+        if self.lossless and budget:  # lossless keeps every RoPE dim and the full rank: a budget would be ignored
+            raise ValueError(f"lossless keeps the whole KV cache, so it takes no {' / '.join(budget)} "
+                             "(drop --lossless or the budget options)")
         if self.load == "layers" and self.normalized().calibration == "two_pass":
             raise ValueError("load=layers streams one pass over the layers; two_pass needs a second one "
                              "(use calibration parallel or sequential, or load model)")

@@ -22,6 +22,9 @@ import torch
 from transmla.errors import TransMLAError
 from transmla.method.linalg import eigh_desc, psd_pow
 
+# Key or value energy below this fraction of their sum is rounding noise, not something to balance.
+NEGLIGIBLE_ENERGY = 1e-12
+
 
 @dataclass
 class JointBasis:
@@ -69,12 +72,14 @@ class JointBasis:
 
 
 def bkv_alpha(wk_nope: torch.Tensor, wv: torch.Tensor, xx: torch.Tensor) -> float:
-    """alpha = RMS||k_nope|| / RMS||v|| on the calibration activations."""
+    """alpha = RMS||k_nope|| / RMS||v|| on the calibration activations; 1 when either side is negligible."""
     k2 = torch.trace(wk_nope @ xx @ wk_nope.T).item()
     v2 = torch.trace(wv @ xx @ wv.T).item()
-    if v2 <= 0:
+    # NoPE keys that vanish (RoRoPE moved all key energy into RoPE) are rounding noise: balancing would
+    # blow that noise up to the values' scale and spend latent rank on it. Likewise for vanishing values.
+    if min(k2, v2) <= NEGLIGIBLE_ENERGY * (max(k2, 0.0) + max(v2, 0.0)):
         return 1.0
-    return (max(k2, 0.0) / v2) ** 0.5 if k2 > 0 else 1.0
+    return (k2 / v2) ** 0.5
 
 
 def attention_metrics(w, Tq: torch.Tensor, rope_dim: int, xx, mu, h: int, g: int, d: int):

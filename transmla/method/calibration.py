@@ -26,12 +26,15 @@ from transmla.method.linalg import gram
 def calibration_ids(tokenizer, texts: list[str], nsamples: int, seqlen: int, seed: int) -> torch.Tensor:
     """`nsamples` random windows of `seqlen` tokens from the joined corpus (seeded). [nsamples, seqlen]"""
     ids = tokenizer("\n\n".join(t for t in texts if t.strip()), return_tensors="pt").input_ids[0]
-    if ids.numel() < seqlen + 1:
+    if ids.numel() < seqlen:
         raise TransMLAError(
             f"Calibration corpus has {ids.numel()} tokens, fewer than cal_seqlen={seqlen}.", "lower --cal-seqlen."
         )
     gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, ids.numel() - seqlen, (nsamples,), generator=gen)
+    # randint's bound is exclusive, so the last window start (numel - seqlen) is never drawn; the bound stays
+    # as it is for longer corpora (any change redraws every window of every recorded conversion) and is only
+    # lifted to 1 for a corpus of exactly seqlen tokens, whose one window starts at 0.
+    starts = torch.randint(0, max(ids.numel() - seqlen, 1), (nsamples,), generator=gen)
     return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])
 
 

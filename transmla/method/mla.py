@@ -3,17 +3,21 @@
 Per query head i of KV group j (shapes for h heads, g KV heads, head dim d, RoPE dim R, rank r):
 
     merged key (4.1):     k = W_K x + b_K in R^{g d};  head i reads block j through E_j (exact)
-    RoRoPE (4.2):         k' = T k;  q'_i = T E_j q_i;  q'_i . k' = q_i . k_j   (T orthogonal)
+    RoRoPE (4.2):         k' = T k;  q'_i = T_q E_j q_i,  T_q = T^-T (rot.query_T);  q'_i . k' = q_i . k_j
+                          (T is orthogonal, T_q = T, in the key metric and for MHA2MLA; the query metric's
+                          T is not)
     split:                k'[:R] keeps RoPE (shared MQA key k_pe), k'[R:] = k_nope drops it
-    BKV (4.3):            c = P^T [k_nope / alpha ; v]  ->  k_nope ~ alpha P_k c,  v ~ P_v c
+    BKV (4.3):            c = P^T [M_k k_nope / alpha ; M_v v]  ->  k_nope ~ D_k c,  v ~ D_v c
+                          (D_k, D_v = basis.decoders: alpha M_k^-1 P_k and M_v^-1 P_v; M = I unless
+                          attention-aware)
 
 DeepSeek form per head: q_i = [q_nope_i (d) ; q_rope_i (R)], k_i = [W_UK_i c (d) ; k_pe (R)],
 v_i = W_UV_i c (d), with
 
-    q_nope_i = W_Q,i x                      W_UK_i = alpha (T[R:, jd:(j+1)d])^T P_k      [d, r]
-    q_rope_i = T[:R, jd:(j+1)d] W_Q,i x      W_UV_i = P_v[jd:(j+1)d]                     [d, r]
+    q_nope_i = W_Q,i x                        W_UK_i = (T_q[R:, jd:(j+1)d])^T D_k     [d, r]
+    q_rope_i = T_q[:R, jd:(j+1)d] W_Q,i x     W_UV_i = D_v[jd:(j+1)d]                 [d, r]
 
-so q_nope_i . W_UK_i c = (T[R:] E_j q_i) . (alpha P_k c) ~ q'_i[R:] . k'[R:].
+(query biases transformed alike), so q_nope_i . W_UK_i c = (T_q[R:] E_j q_i) . (D_k c) ~ q'_i[R:] . k'[R:].
 The original softmax scale d^-1/2 is folded into the queries (DeepSeek divides by sqrt(d + R)).
 """
 
@@ -126,14 +130,28 @@ def query_weights(w: AttentionWeights, rot: KeyRotation, h: int, g: int, d: int)
     return W, b
 
 
-def check_q_lora_rank(q_lora_rank: int | None, h: int, d: int, R: int, D: int) -> None:
-    """Refuse a q_lora_rank the queries cannot have: they are [h (d + R), D], so rank <= min of those.
-    Shapes alone decide it, so the converter checks it from the config before any weight is read."""
-    top = min(h * (d + R), D)
+def check_q_lora_rank(q_lora_rank: int | None, h: int, d: int, R: int, D: int, q_bias: bool = False) -> None:
+    """Refuse a q_lora_rank the queries cannot have: they are [h (d + R), D], so rank <= min of those;
+    with a query bias they are affine, q = [W_Q, b_Q] [x; 1], and D + 1 is their (exact) full rank.
+    Shapes alone decide it, so the converter checks it from the config before any weight is read
+    (q_bias=False there: the config does not say whether the model has query biases)."""
+    top = min(h * (d + R), D + 1 if q_bias else D)
     if q_lora_rank is not None and not 1 <= q_lora_rank <= top:
         raise TransMLAError(
             f"q_lora_rank={q_lora_rank} is impossible: the queries span at most {top} dims.",
             f"choose --q-lora-rank between 1 and {top}, or leave it unset.",
+        )
+
+
+def check_finite(layer: MLALayer, step: str = "built") -> None:
+    """Refuse a layer with inf/NaN weights: exported, it would give NaN logits with no error at all."""
+    bad = [k for k, v in layer.to_tensors().items() if not torch.isfinite(v).all()]
+    if bad:
+        raise TransMLAError(
+            f"The {step} MLA attention has non-finite weights ({', '.join(bad)}): the source weights or the "
+            "calibration statistics are degenerate (inf/NaN in the model, or a projection the data never excites).",
+            "check the source model for inf/NaN weights, calibrate on more data (--cal-nsamples), "
+            "or use --rorope-metric key.",
         )
 
 
@@ -190,6 +208,7 @@ def build_mla_layer(
     diag = {"alpha": alpha, "kv_norm_scale": s_kv, "rope_energy": rot.energy, "kv_energy": basis.energy}
     if q_lora_rank is None and bq is None:
         layer.q_proj = wq
+        check_finite(layer)
         return layer, diag
 
     if q_lora_rank is None:
@@ -201,7 +220,7 @@ def build_mla_layer(
         mean_sq = (torch.trace(xx).item() + 1.0) / (D + 1)
         diag["q_bias_carrier"] = True
     else:
-        check_q_lora_rank(q_lora_rank, h, d, R, D)
+        check_q_lora_rank(q_lora_rank, h, d, R, D, q_bias=bq is not None)
         Sq = affine_second_moment(wq, bq, xx, mu)
         vals, vecs = eigh_desc(Sq)
         Pq = vecs[:, :q_lora_rank]
@@ -214,4 +233,5 @@ def build_mla_layer(
     layer.q_a_norm = torch.full((qa.shape[0],), s_q * math.sqrt(norm_eps), dtype=torch.float64)
     layer.q_b_proj = qb
     diag["q_norm_scale"] = s_q
+    check_finite(layer)
     return layer, diag

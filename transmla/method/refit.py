@@ -92,7 +92,8 @@ def factor_head(mi: torch.Tensor, zz_i: torch.Tensor, d: int) -> tuple[torch.Ten
 def refit_output(blocks: list[RefitMoments], o_proj: torch.Tensor, w_uv: torch.Tensor,
                  damp: float) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The refit (o_proj [D, h d], W_UV [h, d, r]) and the relative output residual before and after
-    (token-weighted over blocks)."""
+    (blocks weighted by their output energy E|Y|^2: the blocks' summed residual energy over their summed
+    output energy; with one block, the layer's relative residual)."""
     h, d, r = w_uv.shape
     o_new, w_new = torch.zeros_like(o_proj), torch.zeros_like(w_uv)
     before = after = total = 0.0

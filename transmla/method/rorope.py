@@ -23,6 +23,10 @@ from transmla.config import FREQFOLDS
 from transmla.errors import TransMLAError
 from transmla.method.linalg import eigh_desc, psd_pow
 
+# A frequency group's query energy (trace of its moment) at or below this fraction of all the queries'
+# is treated as none (rounding noise of exactly zero queries is ~1e-16; real models' groups are far above).
+NEGLIGIBLE_QUERY = 1e-12
+
 
 @dataclass
 class KeyRotation:
@@ -85,23 +89,29 @@ def rorope(cov_k: torch.Tensor, g: int, d: int, plan: list[int], freqfold: int =
     cov_q (our extension): the merged queries' second moment sum_i E[(E_j q_i)(E_j q_i)^T]. The PCA then
     runs in the query metric: keys Q^1/2 k, queries Q^-1/2 q (scores unchanged), so components are ranked
     by the score energy they carry, E[(q'_c k'_c)^2] ~ lambda_c, not by key energy: RoPE stays where
-    the queries read position. Each component is then balanced (key and query variances equal).
+    the queries read position. Each component is then balanced (key and query variances equal). A group
+    whose query energy is negligible (NEGLIGIBLE_QUERY of the total) gets the key-metric PCA instead.
     """
     validate_freqfold(freqfold, d)
     half, L, R = d // 2, g * d, 2 * len(plan)
     T = torch.zeros(L, L, dtype=torch.float64)
     Tq = None if cov_q is None else torch.zeros(L, L, dtype=torch.float64)
+    # A group whose queries carry (next to) nothing has no score energy to rank by, and Q^-1/2 of a
+    # (near-)zero Qf is floored relative to Qf's own top eigenvalue, i.e. to ~0: ~1e154 entries, inf/NaN
+    # weights. Such a group takes the key metric's PCA instead (queries read nothing from it either way).
+    q_scale = 0.0 if cov_q is None else torch.trace(cov_q).item()
     nope_row = R
     kept, total = 0.0, 0.0
     for j in range(half // freqfold):
         freqs = range(j * freqfold, (j + 1) * freqfold)
         re, im = _pair_indices(g, d, freqs)
         Kf = cov_k[re][:, re] + cov_k[im][:, im]
-        if cov_q is None:
+        Qf = None if cov_q is None else cov_q[re][:, re] + cov_q[im][:, im]
+        key_pca = Qf is None or torch.trace(Qf).item() <= NEGLIGIBLE_QUERY * q_scale
+        if key_pca:
             vals, U = eigh_desc(Kf)
             A = B = U.T  # rows: key / query coordinates of each component
         else:
-            Qf = cov_q[re][:, re] + cov_q[im][:, im]
             Qh, Qih = psd_pow(Qf, 0.5, 1e-8), psd_pow(Qf, -0.5, 1e-8)
             vals, U = eigh_desc(Qh @ Kf @ Qh)
             gamma = vals.clamp_min(1e-30 * vals[0].clamp_min(1e-30)).pow(-0.25)  # balance key/query variance
@@ -123,6 +133,8 @@ def rorope(cov_k: torch.Tensor, g: int, d: int, plan: list[int], freqfold: int =
             if Tq is not None:
                 Tq[r_re, re] = B[a]
                 Tq[r_im, im] = B[a]
+        if key_pca and q_scale > 0:
+            continue  # key energies are not score energies: a query-less group adds ~0 score energy
         kept += vals[: len(slots)].clamp_min(0).sum().item()
         total += vals.clamp_min(0).sum().item()
     assert nope_row == L

@@ -54,9 +54,13 @@ def resolve_budget(spec: GQASpec, o: ConvertOptions) -> Budget:
     """
     g, d = spec.g, spec.d
     L = g * d
-    validate_freqfold(o.freqfold, d)
+    if d % 2:  # RoPE rotates (real, imaginary) pairs of head dims: the method has nothing to pair otherwise
+        raise TransMLAError(f"head_dim={d} is odd: RoPE needs an even head dim, so this config cannot be a RoPE model's.",
+                            "check head_dim (or hidden_size / num_attention_heads) in the source's config.json.")
+    # the normalized freqfold: MHA2MLA and lossless mode ignore the one asked for (and set 1)
+    validate_freqfold(o.normalized().freqfold, d)
     check_mode(spec, o)
-    if o.lossless:
+    if o.lossless:  # ConvertOptions refuses lossless with any budget option
         return Budget(tuple(lossless_plan(d, g)), L, 2 * L)
     R = o.qk_rope_dim
     r = o.kv_lora_rank
@@ -71,6 +75,14 @@ def resolve_budget(spec: GQASpec, o: ConvertOptions) -> Budget:
             R = max(options)
         if r is None:
             r = B - R
+        elif R + r != B:  # an explicit rank that disagrees with the ratio's budget: neither may win silently
+            picked = "" if o.qk_rope_dim is not None else " (the ratio's pick)"
+            raise TransMLAError(
+                f"kv_cache_ratio={ratio} means {B} cached values per token, but qk_rope_dim={R}{picked} + "
+                f"kv_lora_rank={r} = {R + r}.",
+                f"give either --kv-cache-ratio or --kv-lora-rank, not both (with the ratio and qk_rope_dim={R}, "
+                f"kv_lora_rank is {B - R}).",
+            )
     elif R is None:
         R = d // 2
     elif r is None:

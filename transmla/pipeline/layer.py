@@ -7,7 +7,7 @@ from dataclasses import replace
 from transmla.adapters import AttentionWeights, GQASpec
 from transmla.method.bkv import JointBasis
 from transmla.method.calibration import LayerMoments
-from transmla.method.mla import MLALayer, build_mla_layer, head_value_bias
+from transmla.method.mla import MLALayer, build_mla_layer, check_finite, head_value_bias
 from transmla.method.refit import RefitMoments, refit_output
 from transmla.method.rorope import KeyRotation
 
@@ -30,4 +30,6 @@ def refit_step(layer: MLALayer, blocks: list[RefitMoments], spec: GQASpec, damp:
     kv_b = layer.kv_b_proj.view(h, 2 * d, -1).clone()
     o_proj, w_uv, diag = refit_output(blocks, layer.o_proj, kv_b[:, d:], damp)
     kv_b[:, d:] = w_uv
-    return replace(layer, kv_b_proj=kv_b.reshape(2 * h * d, -1), o_proj=o_proj), diag
+    out = replace(layer, kv_b_proj=kv_b.reshape(2 * h * d, -1), o_proj=o_proj)
+    check_finite(out, "refit")
+    return out, diag
