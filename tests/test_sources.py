@@ -456,3 +456,150 @@ def test_cli_mistyped_relative_folder_with_the_hub_unreachable(tmp_path):
     assert r.returncode == 2 and len(err) == 1, r.stderr
     assert "'mymodels/smollm' is neither an existing local directory" in err[0]
     assert "http://127.0.0.1:9 is unreachable" in err[0] and "HF_ENDPOINT" in err[0].split("Fix:")[1]
+
+
+def _llama_gguf(path: Path, layers: int = 2, kv_heads: int | None = 2, endian=None, arch: str = "llama") -> Path:
+    """A GGUF header describing a small Llama (4 query heads of dim 16) with one tensor per layer."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch, **({"endianess": endian} if endian is not None else {}))
+    w.add_name("tiny")
+    w.add_block_count(layers)
+    w.add_head_count(4)
+    if kv_heads is not None:
+        w.add_head_count_kv(kv_heads)
+    w.add_embedding_length(64)
+    w.add_rope_freq_base(10000.0)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_q.weight", np.zeros((64, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_rewritten_local_gguf_is_converted_again(tmp_path, monkeypatch):
+    """A local GGUF's cache entry is named after its path: a new release written over the same path must
+    not be served from the entry of the old bytes (materialize nor source_config)."""
+    from transmla.io import sources
+
+    def save(gguf, out):  # stands in for the dequantisation: the entry records which bytes it came from
+        (out / "config.json").write_text(json.dumps({"model_type": "llama", "from": sha256_file(gguf)}))
+        (out / "model.safetensors").write_bytes(b"x")
+
+    monkeypatch.setattr(sources, "_save_gguf_as_hf", save)
+    path = _llama_gguf(tmp_path / "m.gguf", layers=2)
+    first = Path(sources.materialize(f"gguf:{path}", cache=tmp_path / "cache"))
+    assert json.loads((first / "config.json").read_text())["from"] == sha256_file(path)
+    _llama_gguf(path, layers=3)  # the next release, same path
+    assert sources.source_config(f"gguf:{path}", cache=tmp_path / "cache")["num_hidden_layers"] == 3
+    again = Path(sources.materialize(f"gguf:{path}", cache=tmp_path / "cache"))
+    assert again == first and json.loads((again / "config.json").read_text())["from"] == sha256_file(path)
+    assert json.loads((again / "transmla_source.json").read_text())["gguf_sha256"] == sha256_file(path)
+    stamp = (again / "config.json").stat().st_mtime_ns
+    assert Path(sources.materialize(f"gguf:{path}", cache=tmp_path / "cache")) == again
+    assert (again / "config.json").stat().st_mtime_ns == stamp, "an unchanged file is a cache hit"
+
+
+def _permuted_llama_gguf(path: Path, write_kv: bool):
+    """A tiny Llama written as llama.cpp's convert_hf_to_gguf writes it (Q/K rows permuted, head_count_kv
+    only when the HF config had num_key_value_heads), with a GGUF tokenizer; returns the HF model."""
+    import gguf
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def permute(w, n_head):  # llama.cpp LlamaModel.permute
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    torch.manual_seed(0)
+    h, vocab = 4, 32
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=h, num_key_value_heads=h, max_position_embeddings=128,
+                                     rope_theta=10000.0, tie_word_embeddings=False, rms_norm_eps=1e-5)).eval()
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny")
+    w.add_context_length(128)
+    w.add_embedding_length(64)
+    w.add_block_count(2)
+    w.add_feed_forward_length(96)
+    w.add_head_count(h)
+    if write_kv:
+        w.add_head_count_kv(h)
+    w.add_rope_dimension_count(64 // h)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(vocab - 3)])
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types([2, 3, 3] + [1] * (vocab - 3))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    sd = {k: v.detach().numpy() for k, v in m.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    for i in range(2):
+        p = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_q.weight", permute(sd[p + "self_attn.q_proj.weight"], h))
+        w.add_tensor(f"blk.{i}.attn_k.weight", permute(sd[p + "self_attn.k_proj.weight"], h))
+        for a, b in (("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"), ("ffn_gate", "mlp.gate_proj"),
+                     ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"), ("attn_norm", "input_layernorm"),
+                     ("ffn_norm", "post_attention_layernorm")):
+            w.add_tensor(f"blk.{i}.{a}.weight", sd[p + b + ".weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return m
+
+
+@pytest.mark.parametrize("write_kv", [True, False])
+def test_gguf_without_head_count_kv_loads_unpermuted(tmp_path, write_kv):
+    """llama.cpp omits head_count_kv when the HF config had no num_key_value_heads; the cached model must
+    still be the original one (Q/K permutation undone), not a silently different one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from transmla.io.gguf_header import config_from_metadata, read_metadata
+    from transmla.io.sources import _save_gguf_as_hf
+
+    path = tmp_path / "tiny.gguf"
+    ref = _permuted_llama_gguf(path, write_kv)
+    assert config_from_metadata(read_metadata(path))["num_key_value_heads"] == 4
+    _save_gguf_as_hf(path, tmp_path / "hf")
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = torch.arange(3, 20)[None]
+    with torch.no_grad():
+        assert torch.equal(got.model.layers[0].self_attn.q_proj.weight, ref.model.layers[0].self_attn.q_proj.weight)
+        assert torch.equal(got.model.layers[1].self_attn.k_proj.weight, ref.model.layers[1].self_attn.k_proj.weight)
+        assert (got(ids).logits - ref(ids).logits).abs().max().item() < 1e-5
+
+
+def test_big_endian_gguf_is_named_as_such(tmp_path):
+    import gguf
+
+    from transmla.io.gguf_header import read_metadata
+
+    path = _llama_gguf(tmp_path / "be.gguf", endian=gguf.GGUFEndian.BIG)
+    with pytest.raises(TransMLAError, match="big-endian") as e:
+        read_metadata(path)
+    assert "gguf-convert-endian" in str(e.value) and "50331648" not in str(e.value)
+
+
+def test_local_gguf_release_is_judged_from_its_header(tmp_path):
+    """Architecture and size of a local GGUF are judged at resolve time, from the header alone."""
+    from transmla.io.gguf_header import parameter_count, read_metadata
+    from transmla.io.releases import resolve
+
+    ok = _llama_gguf(tmp_path / "ok.gguf", layers=2)
+    n = 8 * 64 + 2 * 64 * 64
+    assert parameter_count(read_metadata(ok)) == n
+    rel = resolve(f"gguf:{ok}", max_params=1e6)
+    assert rel.refused is None and rel.params == n and rel.release_id == "sha256:" + sha256_file(ok)
+    assert "over the nightly cap" in resolve(f"gguf:{ok}", max_params=n - 1).refused
+    other = _llama_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
+    assert "Unsupported architecture 'gpt2'" in resolve(f"gguf:{other}", max_params=1e6).refused

