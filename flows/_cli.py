@@ -53,7 +53,7 @@ def profile_of(args) -> Profile:
     return load_profile(args.params, overrides_of(args))
 
 
-def check_variant(profile: Profile, model: str | None, method: str | None = None, budget: float | None = None) -> None:
+def check_variant(profile: Profile, model: str | None = None, method: str | None = None, budget: float | None = None) -> None:
     """--model/--method/--budget against the validated profile, before a flow run starts (a run takes
     10-15 s to start and would report the same mistake under Prefect's traceback)."""
     if model is not None:

@@ -84,3 +84,25 @@ def smollm2():
     from transmla.io.sources import load_model
 
     return load_model("smollm2-135m")
+
+
+def assert_static_decodes_like_dynamic(model, ids, batch: int, steps: int, tol: float) -> None:
+    """throughput.static_copy of a prefilled DynamicCache (the original's static baseline) decodes `steps`
+    greedy steps of `batch` rows with the same logits as the DynamicCache path, step by step."""
+    from transformers import DynamicCache
+
+    from transmla.runtime.throughput import static_copy
+
+    with torch.no_grad():
+        dyn = DynamicCache(config=model.config)
+        out = model(ids, past_key_values=dyn, use_cache=True)
+        ref = DynamicCache(config=model.config)
+        model(ids, past_key_values=ref, use_cache=True)
+        ref.batch_repeat_interleave(batch)
+        static = static_copy(dyn, model.config, batch, ids.shape[-1] + steps, seen=ids.shape[-1])
+        a = b = out.logits[:, -1:].argmax(-1).repeat(batch, 1)
+        for _ in range(steps):
+            la = model(a, past_key_values=ref, use_cache=True).logits
+            lb = model(b, past_key_values=static, use_cache=True).logits
+            torch.testing.assert_close(lb, la, rtol=tol, atol=tol)
+            a = b = la[:, -1:].argmax(-1)

@@ -347,24 +347,10 @@ def test_throughput_measure(tiny_pair, arch):
 def test_static_baseline_decodes_like_the_dynamic_cache(tiny_pair):
     """The original's best stock decode (a preallocated StaticCache of the batch, throughput.static_copy)
     gives the same logits per step as the DynamicCache path."""
-    from transmla.runtime.throughput import static_copy
+    from conftest import assert_static_decodes_like_dynamic
 
     orig, _ = load_model(str(tiny_pair("llama")[0]))
-    ids = _ids(orig, batch=1, n=20)
-    B, steps = 3, 4
-    with torch.no_grad():
-        dyn = DynamicCache(config=orig.config)
-        out = orig(ids, past_key_values=dyn, use_cache=True)
-        ref = DynamicCache(config=orig.config)
-        orig(ids, past_key_values=ref, use_cache=True)
-        ref.batch_repeat_interleave(B)
-        static = static_copy(dyn, orig.config, B, 20 + steps)
-        a = b = out.logits[:, -1:].argmax(-1).repeat(B, 1)
-        for _ in range(steps):
-            la = orig(a, past_key_values=ref, use_cache=True).logits
-            lb = orig(b, past_key_values=static, use_cache=True).logits
-            torch.testing.assert_close(lb, la, rtol=TOL, atol=TOL)
-            a = b = la[:, -1:].argmax(-1)
+    assert_static_decodes_like_dynamic(orig, _ids(orig, batch=1, n=20), batch=3, steps=4, tol=TOL)
     step = decode_step(orig, "static", context=12, batch=3, steps=3, threads=1, bandwidth=1e9)
     assert step["cache_length_end"] == 12 + 2 + 3 and step["x_of_bound"] > 0
 

@@ -264,3 +264,17 @@ def test_report_refuses_rows_scored_under_other_evaluation_params(tmp_path, monk
         rows_of(profile)
     with pytest.raises(TransMLAError, match="eval_limit 5"):
         rows_of(load_profile(_profile(tmp_path), {"evaluation.protocol": "lm_eval", "evaluation.limit": 7}))
+
+
+@pytest.mark.parametrize("flags", [[], ["--model", "tiny"]], ids=["no-model", "model"])
+def test_entry_runs_a_flow_with_and_without_model(tmp_path, flags):
+    """The flows without --model (report, paper) pass the up-front checks and reach their flow, called with
+    the validated profile alone (before, their command died in check_variant with a TypeError)."""
+    code = ("import sys; from flows import _cli; sys.argv = ['x', '--params', sys.argv[1], *sys.argv[2:]]; "
+            "_cli.entry(lambda profile, *pos: print('ran', type(profile).__name__, *pos), 'doc', "
+            f"model={bool(flags)})")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-c", code, str(_profile(tmp_path)), *flags], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["ran", "Profile", *flags[1:]]
