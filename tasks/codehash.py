@@ -163,17 +163,19 @@ def package_versions(names) -> dict[str, str]:
 @functools.lru_cache(maxsize=None)
 def requirements(dist: str) -> tuple[str, ...]:
     """The installed distributions `dist` declares it needs (its requirements outside any extra)."""
+    from packaging.requirements import Requirement
+
     out = set()
-    for req in importlib.metadata.requires(dist) or ():
-        if "extra ==" in req.partition(";")[2]:
+    for text in importlib.metadata.requires(dist) or ():
+        req = Requirement(text)
+        # extras, and requirements for other Pythons or platforms, never run here: a copy that is importable
+        # anyway (setuptools puts its vendored tomli on sys.path once imported) must not enter the key
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
             continue
-        name = req.partition(";")[0].strip()
-        for sep in "<>=!~[ (":
-            name = name.partition(sep)[0]
         try:
-            out.add(importlib.metadata.metadata(name)["Name"])
+            out.add(importlib.metadata.metadata(req.name)["Name"])
         except importlib.metadata.PackageNotFoundError:
-            pass  # an optional or platform-specific requirement not installed here
+            pass  # an optional requirement not installed here
     return tuple(sorted(out))
 
 

@@ -195,3 +195,15 @@ def test_regenerate_writes_the_code_deps_of_a_stage_that_ends_the_file():
     assert lines[5:] == [f"      - {f}" for f in dag.code_deps(name)] and len(lines) > 5
     bare = dag.regenerate(text.replace("      - data/x.jsonl\n", "")).splitlines()
     assert bare[4:] == [f"      - {f}" for f in dag.code_deps(name)]
+
+
+def test_requirements_follow_their_environment_markers(monkeypatch):
+    """A requirement for another Python, platform or extra is not one here, even where a copy is importable
+    (setuptools puts its vendored tomli, a Python < 3.11 requirement of huggingface_hub, on sys.path once
+    imported: the pytest process and a Dask worker then keyed the same task differently)."""
+    import importlib.metadata as md
+    import sys
+
+    monkeypatch.setattr(md, "requires", lambda dist: ["packaging>=20", 'torch; python_version < "3.0"',
+                                                      'safetensors; extra == "x"', f'filelock; sys_platform == "{sys.platform}"'])
+    assert codehash.requirements.__wrapped__("any") == ("filelock", "packaging")
