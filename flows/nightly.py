@@ -35,6 +35,7 @@ from tasks.model import resolve_model
 from tasks.releases import watch_releases
 from tasks.report import table_row
 from transmla.io.paths import write_text_atomic
+from transmla.io.releases import one_line
 from transmla.io.sources import parse_source
 
 from . import _cli, layout
@@ -49,11 +50,6 @@ STATUSES = ("converted", "skipped", "refused", "failed", "unresolved")
 def job_key(release: str, options: dict, evaluation: dict) -> str:
     payload = json.dumps({"release": release, "convert": canonical(options), "eval": canonical(evaluation)}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or e.__class__.__name__
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def release_dir(release_id: str) -> str:
@@ -129,7 +125,7 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                             original = {"ppl": ev["ppl"]["ppl"], "average": ev["benchmarks"]["average"]}
                             model_ref = ref  # only now: a variant never runs without its reference numbers
                         except Exception as e:  # noqa: BLE001  (one model's failure never stops the others)
-                            setup_error = f"setup of the release failed: {_one_line(e)}"
+                            setup_error = f"setup of the release failed: {one_line(e)}"
                             log.error(f"{rel['source']}: {setup_error}")
                     if setup_error is not None:
                         records.append({**rec, "status": "failed", "reason": setup_error})
@@ -137,8 +133,8 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                     try:  # one variant's failure never stops the others
                         done = _variant(profile, rel, model_ref, original, method, budget, root)
                     except Exception as e:  # noqa: BLE001
-                        log.error(f"{rel['source']} {method} {budget}: failed: {_one_line(e)}")
-                        records.append({**rec, "status": "failed", "reason": _one_line(e)})
+                        log.error(f"{rel['source']} {method} {budget}: failed: {one_line(e)}")
+                        records.append({**rec, "status": "failed", "reason": one_line(e)})
                         continue
                     write_text_atomic(entry_file, json.dumps({**done, "release_id": rel["release_id"],
                                                               "converted": seen}, indent=2))

@@ -41,13 +41,16 @@ def check_protocol(rows: list[dict], ev) -> None:
     """The table's notes describe the rows from the params: refuse rows scored under other evaluation params
     (a stale metrics file, or `-S evaluation....` given to the report alone)."""
     want = {"protocol": ev.protocol, "eval_limit": ev.limit}
-    stale = [f"{r['model']} {r['method']}{'' if r['budget'] is None else ' ' + str(r['budget'])}"
-             f"{' ft' if r.get('finetuned') else ''}: " + ", ".join(f"{k} {r.get(k)!r}" for k in want if r.get(k) != v)
-             for r in rows for k, v in want.items() if r.get(k) != v]
+    stale = []
+    for r in rows:
+        off = [f"{k} {r.get(k)!r}" for k, v in want.items() if r.get(k) != v]
+        if off:
+            name = f"{r['model']} {r['method']}" + ("" if r["budget"] is None else f" {r['budget']}")
+            stale.append(f"{name}{' ft' if r.get('finetuned') else ''}: {', '.join(off)}")
     if stale:
         raise TransMLAError(
             f"Rows scored under other evaluation params than the report's ({', '.join(f'{k} {v!r}' for k, v in want.items())}): "
-            + "; ".join(dict.fromkeys(stale)) + ".",
+            + "; ".join(stale) + ".",
             "run the evaluate stages with the same params (dvc repro), or give the report the params they used.")
 
 

@@ -264,6 +264,12 @@ def test_report_refuses_rows_scored_under_other_evaluation_params(tmp_path, monk
         rows_of(profile)
     with pytest.raises(TransMLAError, match="eval_limit 5"):
         rows_of(load_profile(_profile(tmp_path), {"evaluation.protocol": "lm_eval", "evaluation.limit": 7}))
+    # each row names only the params it differs in, every such row once
+    with pytest.raises(TransMLAError, match=r"\(protocol 'paper', eval_limit 7\): tiny original: eval_limit 5; "
+                                            r"tiny transmla 0\.25: protocol 'lm_eval', eval_limit 5\."):
+        rows_of(load_profile(_profile(tmp_path), {"evaluation.protocol": "paper", "evaluation.limit": 7}))
+    with pytest.raises(TransMLAError, match=r"\): tiny original: protocol 'paper'\."):
+        rows_of(load_profile(_profile(tmp_path), {"evaluation.protocol": "lm_eval", "evaluation.limit": 5}))
 
 
 @pytest.mark.parametrize("flags", [[], ["--model", "tiny"]], ids=["no-model", "model"])

@@ -152,9 +152,11 @@ class _FusedHeadLoss(torch.autograd.Function):
                 *[None] * 9)
 
 
-def relative_error(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """||out - target||^2 / ||target||^2 in float32 (target: float32, no grad)."""
-    return (out.float() - target).pow(2).sum() / target.pow(2).sum().clamp_min(1e-12)
+def relative_error(out: torch.Tensor, target: torch.Tensor, per_block: bool = False) -> torch.Tensor:
+    """||out - target||^2 / ||target||^2 in float32 (target: float32, no grad); per_block: one per
+    leading-dim block, [batch]."""
+    dims = tuple(range(1, target.dim())) if per_block else tuple(range(target.dim()))
+    return (out.float() - target).pow(2).sum(dims) / target.pow(2).sum(dims).clamp_min(1e-12)
 
 
 class AttentionMatch:
@@ -227,8 +229,7 @@ class AttentionMatch:
         if not self.terms:
             raise RuntimeError("no attention layer ran inside the `with` block")
         with torch.no_grad():
-            errs = [(out.float() - t).pow(2).flatten(1).sum(1) / t.pow(2).flatten(1).sum(1).clamp_min(1e-12)
-                    for out, t in self.terms]
+            errs = [relative_error(out, t, per_block=True) for out, t in self.terms]
         self.terms = []
         return torch.stack(errs).mean(0)
 
