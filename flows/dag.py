@@ -1,9 +1,11 @@
-"""The DAG's one declaration is dvc.yaml; this keeps its code dependencies true.
+"""The DAG's one declaration is dvc.yaml; this keeps its code and data dependencies true.
 
 Each stage runs one flow (`python -m flows.<name>`); its code deps are exactly the import closure
 of that flow module (tasks.codehash, the same closure the Prefect cache keys hash), so DVC re-runs
-a stage when, and only when, code it can execute changed. `python -m flows.dag` rewrites the deps
-lists in dvc.yaml from the closures (data deps such as artifacts/ and ${data} are kept);
+a stage when, and only when, code it can execute changed. Its data deps are the files of the data
+sets the params make it read (`data_deps`: calibration.dataset, evaluation's perplexity set and
+benchmarks, finetune.corpora), so editing a data set in params/default.yaml moves the deps with it.
+`python -m flows.dag` rewrites both in dvc.yaml (other deps, the artifacts/ a stage reads, are kept);
 tests/test_cache_keys.py fails when they drift. flows/paper.py composes the same flows in one process.
 """
 
@@ -12,11 +14,16 @@ from __future__ import annotations
 import re
 
 from tasks.codehash import PROJECT, REPO_ROOT, closure
+from transmla.evaluation.benchmarks import BENCHMARK_DATA
+from transmla.io.data import PATH_PREFIX, spec
+
+from .params import Profile, load_profile
 
 DVC_YAML = REPO_ROOT / "dvc.yaml"
 STAGE = re.compile(r"^  ([a-z_]+):\s*$")
 FLOW = re.compile(r"-m (flows\.[a-z_]+)")
 DEP = re.compile(r"^(\s+)- (\S+)\s*$")
+DATA = "${data}"  # dvc.yaml's var for the shared data folder
 
 
 def _flows() -> dict[str, str]:
@@ -34,8 +41,43 @@ def code_deps(stage: str) -> list[str]:
     return list(closure(_flows()[stage])[0])
 
 
-def regenerate(text: str) -> str:
-    """dvc.yaml with every stage's project-code deps replaced by its flow's closure."""
+def _cal_parts(dataset: str) -> list[str]:
+    return [x.strip() for x in dataset.split("+")]
+
+
+def data_names(stage: str, profile: Profile) -> list[str]:
+    """The data sets (registry names or `path:` parts) a stage's flow reads under these params."""
+    ev, p = profile.evaluation, profile.pipeline
+    if stage == "calibrate":
+        return _cal_parts(profile.calibration.dataset)
+    if stage == "convert":  # a streamed conversion (sequential calibration) draws its own windows
+        streamed = any(profile.convert_options(m, b).streamed for m in p.methods for b in p.budgets)
+        return _cal_parts(profile.calibration.dataset) if streamed else []
+    if stage in ("evaluate", "evaluate_finetuned", "evaluate_original"):
+        return [ev.ppl_dataset, *(n for t in ev.tasks for n in BENCHMARK_DATA[t])]
+    if stage == "finetune":
+        return list(profile.finetune.corpora)
+    if stage == "figures":
+        return [ev.ppl_dataset]
+    return []
+
+
+def data_deps(stage: str, profile: Profile | None = None) -> list[str]:
+    """dvc.yaml deps for a stage's data: `${data}/<file>` per registry set, the path itself for a
+    `path:` part; hub-only sets have no file for DVC to watch (their cache keys carry the hub revision)."""
+    out = []
+    for name in data_names(stage, profile or load_profile()):
+        if name.startswith(PATH_PREFIX):
+            out.append(name.removeprefix(PATH_PREFIX))
+        elif spec(name).local_file is not None:
+            out.append(f"{DATA}/{spec(name).local_file}")
+    return list(dict.fromkeys(out))
+
+
+def regenerate(text: str, profile: Profile | None = None) -> str:
+    """dvc.yaml with every stage's project-code deps replaced by its flow's closure and its data deps
+    by the data sets the params name."""
+    profile = profile or load_profile()
     flows, out, stage, in_deps = _flows(), [], None, False
     for line in text.splitlines():
         if m := STAGE.match(line):
@@ -49,16 +91,20 @@ def regenerate(text: str) -> str:
             m = DEP.match(line)
             if m:
                 indent = m.group(1)
-                if m.group(2).split("/")[0] in PROJECT:
+                if m.group(2).split("/")[0] in PROJECT or m.group(2).startswith(DATA + "/"):
                     continue  # regenerated below
                 out.append(line)
                 continue
-            out += [f"{indent}- {f}" for f in closure(flows[stage])[0]]
+            out += _generated(stage, flows, indent, profile)
             in_deps = False
         out.append(line)
     if in_deps:  # the file ends inside a stage's deps
-        out += [f"{indent}- {f}" for f in closure(flows[stage])[0]]
+        out += _generated(stage, flows, indent, profile)
     return "\n".join(out) + "\n"
+
+
+def _generated(stage: str, flows: dict[str, str], indent: str, profile: Profile) -> list[str]:
+    return [f"{indent}- {f}" for f in data_deps(stage, profile) + list(closure(flows[stage])[0])]
 
 
 if __name__ == "__main__":

@@ -152,6 +152,34 @@ def test_dvc_stage_deps_are_the_flow_closures():
         body = stage.get("do", stage)
         code = sorted(d for d in body["deps"] if d.split("/")[0] in codehash.PROJECT)
         assert code == dag.code_deps(name), f"stage {name}: run `python -m flows.dag` to regenerate dvc.yaml deps"
+        data = [d for d in body["deps"] if d.startswith(dag.DATA + "/")]
+        assert data == dag.data_deps(name), f"stage {name}: run `python -m flows.dag` to regenerate dvc.yaml deps"
+
+
+def test_dvc_stage_data_deps_follow_the_params(tmp_path):
+    """A data set named in the params is a dep of exactly the stages that read it: the calibration set
+    (with a path: part) of calibrate, and of convert only while a pipeline method streams it; the
+    corpora of finetune; the perplexity set and each chosen benchmark's files of the evaluations."""
+    from flows import dag
+    from flows.params import load_profile
+
+    own = load_profile(overrides={"calibration.dataset": "c4-demo+path:src/code", "finetune.corpora": ["wiki-demo"],
+                                  "evaluation.tasks": ["mmlu", "piqa"], "evaluation.ppl_dataset": "c4-demo"})
+    assert dag.data_deps("calibrate", own) == ["${data}/corpus/c4_demo.jsonl", "src/code"]
+    assert dag.data_deps("convert", own) == dag.data_deps("calibrate", own)  # transmla-refit streams
+    unstreamed = own.model_copy(update={"pipeline": own.pipeline.model_copy(update={"methods": ("mha2mla", "transmla")})})
+    assert dag.data_deps("convert", unstreamed) == []
+    assert dag.data_deps("finetune", own) == ["${data}/corpus/wiki_demo.jsonl"]
+    assert dag.data_deps("evaluate_original", own) == [
+        "${data}/corpus/c4_demo.jsonl", "${data}/benchmarks/mmlu_test.jsonl", "${data}/benchmarks/mmlu_dev.jsonl",
+        "${data}/benchmarks/piqa_validation.jsonl"]
+    assert dag.data_deps("figures", own) == ["${data}/corpus/c4_demo.jsonl"]
+    assert dag.data_deps("throughput", own) == dag.data_deps("report", own) == []
+    hub_only = load_profile(overrides={"finetune.corpora": ["fineweb-edu-dedup", "c4-demo"]})
+    assert dag.data_deps("finetune", hub_only) == ["${data}/corpus/c4_demo.jsonl"]  # no file to watch on the hub
+    text = "stages:\n  finetune:\n    cmd: python -m flows.finetune\n    deps:\n      - artifacts/m\n      - ${data}/corpus\n"
+    lines = dag.regenerate(text, own).splitlines()
+    assert lines[4:6] == ["      - artifacts/m", "      - ${data}/corpus/wiki_demo.jsonl"]  # the old data dep replaced
 
 
 def test_cli_defaults_are_the_params_defaults():
@@ -190,11 +218,12 @@ def test_regenerate_writes_the_code_deps_of_a_stage_that_ends_the_file():
 
     name = next(iter(dag._flows()))
     text = f"stages:\n  {name}:\n    cmd: python -m {dag._flows()[name]}\n    deps:\n      - data/x.jsonl\n"
+    generated = [f"      - {f}" for f in dag.data_deps(name) + dag.code_deps(name)]
     lines = dag.regenerate(text).splitlines()
     assert lines[:5] == text.splitlines()
-    assert lines[5:] == [f"      - {f}" for f in dag.code_deps(name)] and len(lines) > 5
+    assert lines[5:] == generated and len(lines) > 5
     bare = dag.regenerate(text.replace("      - data/x.jsonl\n", "")).splitlines()
-    assert bare[4:] == [f"      - {f}" for f in dag.code_deps(name)]
+    assert bare[4:] == generated
 
 
 def test_requirements_follow_their_environment_markers(monkeypatch):
