@@ -181,6 +181,25 @@ def test_q_lora_rank_d_plus_one_is_exact_with_a_query_bias():
         assert _rel(q, ref) < 1e-9
 
 
+@pytest.mark.parametrize("model_type, bias, top", [("qwen2", None, 65), ("llama", True, 65), ("llama", False, 64)])
+def test_the_config_check_allows_q_lora_rank_d_plus_one_exactly_when_queries_have_a_bias(model_type, bias, top):
+    """The converter's pre-check (from the config, before any weight) and the layer builder agree: Qwen2's
+    queries always carry a bias, Llama's with attention_bias: true; then D + 1 is a possible q_lora_rank."""
+    from transformers import AutoConfig
+
+    from transmla.adapters import read_spec
+    from transmla.convert import check_request
+
+    extra = {} if bias is None else {"attention_bias": bias}
+    cfg = AutoConfig.for_model(model_type, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                               intermediate_size=128, num_hidden_layers=2, vocab_size=100, **extra)
+    spec = read_spec(cfg)
+    assert spec.q_bias is (top == 65)
+    check_request(spec, ConvertOptions(kv_cache_ratio=0.5, q_lora_rank=top))
+    with pytest.raises(TransMLAError, match=f"between 1 and {top}"):
+        check_request(spec, ConvertOptions(kv_cache_ratio=0.5, q_lora_rank=top + 1))
+
+
 class _Words:  # a tokenizer stub: one id per word
     def __call__(self, text, return_tensors=None):
         return type("Enc", (), {"input_ids": torch.arange(len(text.split()))[None]})()

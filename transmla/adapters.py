@@ -128,6 +128,7 @@ class GQASpec:
     # Mixtral's MoE (num_local_experts, num_experts_per_tok, router_jitter_noise), carried verbatim; empty = dense
     moe: dict = field(default_factory=dict, hash=False)
     qk_norm: bool = False  # Qwen3, Gemma 3: per-head RMSNorm of queries and keys before RoPE (transmla.models)
+    q_bias: bool = False  # the query projection has a bias (Qwen2; attention_bias: true): queries of rank D + 1
     # Gemma 3: the original config, kept whole by the export (its layers stay Gemma's but for attention)
     original_config: dict = field(default_factory=dict, hash=False)
 
@@ -175,6 +176,7 @@ def read_spec(cfg) -> GQASpec:
         moe={k: getattr(cfg, k) for k in ("num_local_experts", "num_experts_per_tok", "router_jitter_noise")}
         if mt == "mixtral" else {},
         qk_norm=mt in ("qwen3", "gemma3_text"),
+        q_bias=SUPPORTED.get(mt, False) or bool(getattr(cfg, "attention_bias", False)),
         original_config=cfg.to_dict() if gemma else {},
     )
 

@@ -38,7 +38,7 @@ def check_request(spec: GQASpec, o: ConvertOptions) -> Budget:
     """The budget of `o` for the model `spec` describes, and every other shape request checked against it
     (q_lora_rank): all from the config, so a dry run and a real run refuse the same things before any weight."""
     budget = resolve_budget(spec, o)
-    check_q_lora_rank(o.q_lora_rank, spec.h, spec.d, budget.rope_dim, spec.D)
+    check_q_lora_rank(o.q_lora_rank, spec.h, spec.d, budget.rope_dim, spec.D, spec.q_bias)
     return budget
 
 
