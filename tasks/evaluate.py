@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from transmla.evaluation.benchmarks import evaluate
 from transmla.evaluation.perplexity import dataset_perplexity
+from transmla.evaluation.prompts import NEW_TOKENS
 
 from .artifacts import cached_task, dir_ref, save_json, task_dir
 from .model import data_dir_of
@@ -21,7 +22,7 @@ def perplexity(model: dict, data: dict, seqlen: int = 2048, max_tokens: int | No
 
 
 @cached_task("case_study")
-def case_study(model: dict, new_tokens: int = 24, dtype: str = "float32", device: str = "cpu") -> dict:
+def case_study(model: dict, new_tokens: int = NEW_TOKENS, dtype: str = "float32", device: str = "cpu") -> dict:
     """Greedy continuations of the paper's case-study prompts (Table 6) -> ref to [{prompt, continuation, ...}]."""
     from transmla.evaluation.prompts import case_study as run
     from transmla.io.sources import load_model
