@@ -9,7 +9,7 @@ from prefect import flow
 
 from tasks.artifacts import file_ref, publish
 from tasks.calibrate import calibration_stats
-from tasks.model import dataset_ref, resolve_model
+from tasks.model import calibration_ref, resolve_model
 
 from . import _cli, layout
 from .params import Profile
@@ -17,7 +17,7 @@ from .params import Profile
 
 def stats_for(profile: Profile, model_ref: dict) -> dict:
     c = profile.calibration
-    return calibration_stats(model_ref, dataset_ref(c.dataset), c.nsamples, c.seqlen, c.batch_size, c.seed)
+    return calibration_stats(model_ref, calibration_ref(c.dataset), c.nsamples, c.seqlen, c.batch_size, c.seed)
 
 
 @flow(name="calibrate")

@@ -18,7 +18,7 @@ from tasks import tracking
 from tasks.artifacts import file_ref
 from tasks.bkv import layer_basis
 from tasks.export import export_checkpoint
-from tasks.model import dataset_ref, resolve_model, spec_of
+from tasks.model import calibration_ref, resolve_model, spec_of
 from tasks.rorope import layer_rotation
 from tasks.stream import streamed_layers
 from transmla.config import ConvertOptions
@@ -48,7 +48,7 @@ def converted(profile: Profile, model_ref: dict, o: ConvertOptions, out: str, st
         stats = file_ref(stats_file) if stats_file else stats_for(profile, model_ref)
     if o.streamed:  # layer l depends on the converted layers before it: one task, in layer order
         b = resolve_budget(spec_of(model_ref), o)
-        streamed = streamed_layers(model_ref, dataset_ref(o.cal_dataset), stats, list(b.plan), b.kv_lora_rank,
+        streamed = streamed_layers(model_ref, calibration_ref(o.cal_dataset), stats, list(b.plan), b.kv_lora_rank,
                                    o.model_dump())
         return export_checkpoint(model_ref, None, [], [], o.model_dump(), out, streamed)
     rotations, bases = layer_steps(model_ref, stats, o)

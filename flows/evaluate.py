@@ -33,7 +33,8 @@ def evaluate_ref(profile: Profile, model_ref: dict, dtype: str = "float32", refe
     superset evaluation.reference_limits."""
     ev = profile.evaluation
     ppl = perplexity(model_ref, dataset_ref(ev.ppl_dataset), ev.ppl_seqlen, ev.ppl_max_tokens, dtype, profile.device)
-    data = [dataset_ref(n) for t in ev.tasks for n in BENCHMARK_DATA[t]]
+    # lm-eval reads the benchmarks from the local files whatever the data source: key them on those
+    data = [dataset_ref(n, source="local") for t in ev.tasks for n in BENCHMARK_DATA[t]]
     bench = benchmarks(model_ref, data, list(ev.tasks), ev.limit, ev.batch_size, ev.seed, dtype, profile.device,
                        ev.protocol, dict(ev.limits), backend_of(ev),
                        dict(ev.reference_limits) if reference else None)

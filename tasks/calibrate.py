@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from transmla.io.data import load_texts
-from transmla.method.calibration import CalibrationStats, calibration_ids, collect_stats
+from transmla.method.calibration import CalibrationStats, collect_stats, mixed_calibration_ids
 
 from .artifacts import cached_task, load_tensors, save_tensors
-from .model import data_dir_of, load
+from .model import calibration_texts, load
 
 
 @cached_task("calibration_stats")
 def calibration_stats(model: dict, data: dict, nsamples: int, seqlen: int, batch_size: int, seed: int) -> dict:
-    """Ref to a safetensors file of per-layer sums (float64) over nsamples x seqlen tokens of `data`."""
+    """Ref to a safetensors file of per-layer sums (float64) over nsamples x seqlen tokens of `data`
+    (a calibration_ref: one data set, or a mix with an equal share of the windows per part)."""
     m, tok = load(model["path"])
-    ids = calibration_ids(tok, load_texts(data["name"], data_dir_override=data_dir_of(data)), nsamples, seqlen, seed)
+    ids = mixed_calibration_ids(tok, calibration_texts(data), nsamples, seqlen, seed)  # one part: calibration_ids
     return save_tensors("stats", collect_stats(m, ids, batch_size).to_tensors())
 
 

@@ -18,7 +18,8 @@ def perplexity(model: dict, data: dict, seqlen: int = 2048, max_tokens: int | No
     from transmla.io.sources import load_model
 
     m, tok = load_model(model["path"], dtype=dtype, device=device)
-    return save_json("ppl", dataset_perplexity(m, tok, data["name"], seqlen, max_tokens, data_dir_of(data)))
+    return save_json("ppl", dataset_perplexity(m, tok, data["name"], seqlen, max_tokens, data_dir_of(data),
+                                                 revision=data.get("revision")))
 
 
 @cached_task("case_study")

@@ -40,7 +40,8 @@ def finetune_checkpoint(model: dict, corpora: list[dict], config: dict, max_docu
     cfg = FinetuneConfig(**config)
     m, tok = load_model(model["path"], dtype="float32", device=cfg.device)  # fp32 master weights; bf16 = autocast
     t = load_model(teacher["path"], dtype=cfg.teacher_dtype, device=cfg.device)[0] if teacher else None
-    docs = {c["name"]: load_documents(c["name"], data_dir_override=data_dir_of(c), max_documents=max_documents)
+    docs = {c["name"]: load_documents(c["name"], data_dir_override=data_dir_of(c), max_documents=max_documents,
+                                   revision=c.get("revision"))
             for c in corpora}
     record = finetune_on_corpora(m, tok, docs, cfg, d / "trainer", d / "model", teacher=t)
     summary = {k: v for k, v in record.items() if k not in ("log_history", "config", "data")}

@@ -8,6 +8,7 @@ tokenizer gets new keys everywhere downstream and an unchanged one is recognised
 from __future__ import annotations
 
 import functools
+import hashlib
 from pathlib import Path
 
 from prefect import task
@@ -15,7 +16,8 @@ from prefect.cache_policies import NO_CACHE
 
 from transmla.adapters import GQASpec, read_spec
 from transmla.errors import TransMLAError
-from transmla.io.data import local_path, spec
+from transmla.io.data import (DATA_SOURCE_ENV, PATH_PREFIX, calibration_parts, hub_revision, load_texts, local_path,
+                              path_texts, spec)
 from transmla.io.sources import check_source, content_hash, parse_source, source_info
 
 from .artifacts import STORE, model_ref, sha256_file
@@ -53,15 +55,38 @@ def spec_of(ref: dict) -> GQASpec:
     return read_spec(AutoConfig.from_pretrained(ref["path"]))
 
 
-def dataset_ref(name: str, data_dir=None) -> dict:
-    """A registry data set as a ref: its local file's hash (hub mode: its name and revision)."""
+def dataset_ref(name: str, data_dir=None, source: str | None = None) -> dict:
+    """A registry data set as a ref: its local file's hash (hub mode: its name and the commit it is read
+    at, resolved once here; the tasks load exactly that `revision`, so a new hub commit is a new key).
+    source: "local" | "hub" (None: TRANSMLA_DATA_SOURCE, default local)."""
     import os
 
-    if os.environ.get("TRANSMLA_DATA_SOURCE") == "hub":
-        s = spec(name)
-        return {"path": f"hub:{s.hub_path}", "sha256": f"hub:{s.hub_path}:{s.hub_name}:{s.hub_split}", "name": name}
+    if (source or os.environ.get(DATA_SOURCE_ENV, "local")) == "hub":
+        s, rev = spec(name), hub_revision(name)
+        return {"path": f"hub:{s.hub_path}", "sha256": f"hub:{s.hub_path}:{s.hub_name}:{s.hub_split}@{rev}",
+                "name": name, "revision": rev}
     p = local_path(name, data_dir)
     return {"path": str(p), "sha256": _file_hash(str(p), p.stat().st_mtime_ns), "name": name}
+
+
+def calibration_ref(name: str, data_dir=None) -> dict:
+    """A calibration data spec (registry names and `path:` parts joined by '+', transmla.io.data) as one
+    ref: a single registry set is its dataset_ref; a mix is keyed on its parts' keys, a path: part on the
+    texts calibration reads from it."""
+    parts = calibration_parts(name)  # unknown names and missing paths: one clear error here
+    if len(parts) == 1 and not name.startswith(PATH_PREFIX):
+        return dataset_ref(name, data_dir)
+    refs = [{"path": p, "sha256": hashlib.sha256("\0".join(path_texts(p)).encode()).hexdigest(), "name": p}
+            if p.startswith(PATH_PREFIX) else dataset_ref(p, data_dir) for p in parts]
+    key = hashlib.sha256("\n".join(r["sha256"] for r in refs).encode()).hexdigest()
+    return {"path": f"mix:{name}", "sha256": key, "name": name, "parts": refs}
+
+
+def calibration_texts(data: dict) -> list[list[str]]:
+    """The corpora of a calibration ref, one per part, read as the ref was keyed (hub: at its revision)."""
+    return [path_texts(r["name"]) if r["name"].startswith(PATH_PREFIX)
+            else load_texts(r["name"], data_dir_override=data_dir_of(r), revision=r.get("revision"))
+            for r in data.get("parts", [data])]
 
 
 def data_dir_of(data: dict):

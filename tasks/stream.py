@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from transmla.config import ConvertOptions
 from transmla.convert import convert_layers
-from transmla.io.data import load_texts
-from transmla.method.calibration import calibration_ids
+from transmla.method.calibration import mixed_calibration_ids
 from transmla.method.mla import MLALayer
 from transmla.pipeline.budget import Budget
 from transmla.pipeline.stream import LayerStream
 
 from .artifacts import cached_task, load_tensors, save_json, save_tensors
 from .calibrate import stats_of
-from .model import data_dir_of, load, spec_of
+from .model import calibration_texts, load, spec_of
 
 
 @cached_task("streamed_layers")
@@ -27,8 +26,7 @@ def streamed_layers(model: dict, data: dict, stats: dict | None, plan: list[int]
     o = ConvertOptions(**options)
     m, tok = load(model["path"])
     spec = spec_of(model)
-    ids = calibration_ids(tok, load_texts(data["name"], data_dir_override=data_dir_of(data)), o.cal_nsamples,
-                          o.cal_seqlen, o.seed)
+    ids = mixed_calibration_ids(tok, calibration_texts(data), o.cal_nsamples, o.cal_seqlen, o.seed)
     stream = LayerStream(m, ids, o.cal_batch_size, progress=False)
     budget = Budget(tuple(plan), rank, 2 * spec.g * spec.d)
     layers, diags = convert_layers(m, stats_of(stats) if stats else None, spec, budget, o, False, stream)

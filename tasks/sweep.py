@@ -13,4 +13,5 @@ from .model import data_dir_of
 def sweep_perplexity(model: dict, stats: dict, rotations: list[dict], bases: list[dict], options: dict,
                      data: dict, seqlen: int, max_tokens: int | None) -> dict:
     m, tok = mla_model(model, stats, rotations, bases, options)
-    return save_json("ppl", dataset_perplexity(m, tok, data["name"], seqlen, max_tokens, data_dir_of(data)))
+    return save_json("ppl", dataset_perplexity(m, tok, data["name"], seqlen, max_tokens, data_dir_of(data),
+                                                 revision=data.get("revision")))

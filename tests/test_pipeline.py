@@ -223,6 +223,44 @@ def test_streamed_row_is_one_cached_task(tmp_path, tiny_dir, monkeypatch):
     assert count.take() == {"stats": 1, "rotation": 2, "basis": 2}
 
 
+def test_a_mixed_calibration_set_runs_in_the_pipeline(tmp_path, tiny_dir, monkeypatch):
+    """calibration.dataset may mix registry sets and path: parts, as the CLI's --cal-dataset does: the
+    pipeline's statistics are the library's for that mix (an equal share of the windows per part), keyed
+    on every part (an unchanged mix is cached; editing the path part's text recomputes)."""
+    from safetensors.torch import load_file
+
+    from flows.calibrate import calibrate
+    from flows.params import load_profile
+    from transmla.io.data import calibration_corpora
+    from transmla.io.sources import load_model
+    from transmla.method.calibration import collect_stats, mixed_calibration_ids
+
+    monkeypatch.chdir(tmp_path)
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "a.py").write_text("def inc(x):\n    return x + 1\n\n" * 300)
+    mix = f"wikitext2-train+path:{code}"
+    prof = load_profile(write_profile(tmp_path, tiny_dir, calibration={"dataset": mix}))
+    count = Counter(monkeypatch)
+
+    def run(out):
+        return load_file(calibrate(prof, "tiny", out=str(tmp_path / out))["path"])
+
+    first = run("s1.safetensors")
+    assert count.take() == {"stats": 1}
+    m, tok = load_model(str(tiny_dir))
+    c = prof.calibration
+    want = collect_stats(m, mixed_calibration_ids(tok, calibration_corpora(mix), c.nsamples, c.seqlen, c.seed),
+                         c.batch_size).to_tensors()
+    assert first.keys() == want.keys() and all(torch.equal(first[k], want[k]) for k in want)
+    assert all(torch.equal(a, b) for a, b in zip(first.values(), run("s2.safetensors").values()))
+    assert count.take() == {}
+    (code / "a.py").write_text("class Box:\n    items = []\n\n" * 300)
+    third = run("s3.safetensors")
+    assert count.take() == {"stats": 1}
+    assert not all(torch.equal(first[k], third[k]) for k in first)
+
+
 def test_evaluation_cache_keys(tmp_path, tiny_dir, monkeypatch):
     from flows.evaluate import evaluate
     from flows.params import load_profile

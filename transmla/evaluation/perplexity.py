@@ -94,11 +94,12 @@ def wikitext2_perplexity(model, tokenizer, seqlen=2048, max_tokens=None, data_di
 
 
 def dataset_perplexity(model, tokenizer, dataset: str, seqlen: int = 2048, max_tokens: int | None = None,
-                       data_dir=None, progress: bool = True) -> dict:
+                       data_dir=None, progress: bool = True, revision: str | None = None) -> dict:
     """Perplexity on any text data set of the registry, with the fused causal attention (no mask:
-    the windows are unpadded; same result, 2x faster for DeepseekV3 on CPU)."""
+    the windows are unpadded; same result, 2x faster for DeepseekV3 on CPU). revision: the hub commit
+    to read (hub mode; transmla.io.data.load_rows)."""
     from transmla.io.data import load_texts
     from transmla.runtime.fast_attention import use_causal_padded_sdpa
 
-    ids = tokenize_corpus(tokenizer, load_texts(dataset, data_dir))
+    ids = tokenize_corpus(tokenizer, load_texts(dataset, data_dir, revision=revision))
     return perplexity(use_causal_padded_sdpa(model), ids, seqlen, max_tokens, progress=progress)

@@ -4,6 +4,10 @@ Offline (default): local JSONL files under the shared data folder (`../shared/da
 overridable by `TRANSMLA_DATA_DIR` or an explicit `data_dir`). Online: the same data set by its hub
 name, for machines that reach a hub (`source="hub"`, or `TRANSMLA_DATA_SOURCE=hub`).
 
+On the hub a data set is read at one commit: `hub_revision` resolves it (the spec's pinned
+`hub_revision`, else the repo's newest commit) and the loaders take it as `revision=`, so a pipeline
+input's cache key (tasks.model.dataset_ref, which records the sha) and the rows it is computed on agree.
+
 Rows keep the schema of the hub data set, so lm-eval task definitions and the calibration code read
 either source unchanged.
 """
@@ -32,6 +36,7 @@ class DatasetSpec:
     hub_split: str
     text_field: str | None = "text"
     line_rows: bool = False  # rows are the lines of one running text (WikiText), not documents
+    hub_revision: str | None = None  # a branch, tag or commit to pin on the hub; None: the newest commit
 
 
 REGISTRY: dict[str, DatasetSpec] = {
@@ -91,43 +96,101 @@ def _source(source: str | None) -> str:
     return source
 
 
-def load_rows(name: str, data_dir_override=None, source: str | None = None) -> list[dict]:
-    """All rows of a data set, as dicts in the hub schema."""
+def _where(s: DatasetSpec) -> str:
+    return f"{s.hub_path!r}" + (f" ({s.hub_name})" if s.hub_name else "") + f", split {s.hub_split!r}"
+
+
+def _offline_fix(s: DatasetSpec) -> str:
+    if s.local_file is None:
+        return f"data set {s.name!r} has no offline copy: run on a machine with hub access"
+    return f"without hub access, unset {DATA_SOURCE_ENV} to read the local files"
+
+
+def hub_revision(name: str) -> str:
+    """The commit sha a data set is read at on the hub: its spec's pinned `hub_revision` resolved to a
+    commit, else the repo's newest commit (one API request). A hub failure is one clear error."""
+    s = spec(name)
+    from huggingface_hub import HfApi
+
+    try:
+        sha = HfApi().dataset_info(s.hub_path, revision=s.hub_revision).sha
+    except Exception as e:  # noqa: BLE001  (offline, unreachable, missing, gated: one error naming the fix)
+        from huggingface_hub.errors import RevisionNotFoundError
+
+        from transmla.io.sources import _hub_failure
+
+        reason, fix = _hub_failure(e)
+        if isinstance(e, RevisionNotFoundError):
+            reason, fix = (f"no revision {s.hub_revision!r}",
+                           f"correct the hub_revision of {name!r} in transmla/io/data.py")
+        raise TransMLAError(f"Could not resolve the hub data set {_where(s)} (data set {name!r}) to a commit ({reason}).",
+                            f"{fix}; {_offline_fix(s)}.") from e
+    if not sha:
+        raise TransMLAError(f"The hub reported no commit for the data set {_where(s)} (data set {name!r}).",
+                            f"retry, or pin a commit as its hub_revision in transmla/io/data.py; {_offline_fix(s)}.")
+    return sha
+
+
+def _hub_load_error(s: DatasetSpec, revision: str | None, e: BaseException) -> TransMLAError:
+    from transmla.io.sources import _first_line
+
+    at = f" at {revision[:12]}" if revision else ""
+    return TransMLAError(
+        f"Could not load the data set {s.name!r} from the hub ({_where(s)}{at}: {e.__class__.__name__}: {_first_line(e)}).",
+        f"check the network (HF_ENDPOINT for a mirror), HF_TOKEN and unset HF_HUB_OFFLINE / HF_DATASETS_OFFLINE; "
+        f"{_offline_fix(s)}.")
+
+
+def _hub_dataset(s: DatasetSpec, revision: str | None, **kwargs):
+    import datasets  # heavy; only on the online path
+
+    try:
+        return datasets.load_dataset(s.hub_path, s.hub_name, split=s.hub_split, revision=revision, **kwargs)
+    except Exception as e:  # noqa: BLE001  (offline, missing, bad config: one error naming the fix)
+        raise _hub_load_error(s, revision, e) from e
+
+
+def load_rows(name: str, data_dir_override=None, source: str | None = None, revision: str | None = None) -> list[dict]:
+    """All rows of a data set, as dicts in the hub schema.
+
+    revision: on the hub, the commit to read (a dataset ref's `revision`); None: the spec's pinned
+    `hub_revision`, else the newest commit. Ignored for local files."""
     s = spec(name)
     if _source(source) == "hub":
-        import datasets  # heavy; only on the online path
-
-        ds = datasets.load_dataset(s.hub_path, s.hub_name, split=s.hub_split)
-        return [dict(r) for r in ds]
+        revision = revision or s.hub_revision
+        return [dict(r) for r in _hub_dataset(s, revision)]
     path = local_path(name, data_dir_override)
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def load_texts(name: str, data_dir_override=None, source: str | None = None) -> list[str]:
+def load_texts(name: str, data_dir_override=None, source: str | None = None, revision: str | None = None) -> list[str]:
     """The `text` field of every row (blank rows kept, as WikiText-2 perplexity expects)."""
     s = spec(name)
     if s.text_field is None:
         raise TransMLAError(f"Data set {name!r} has no single text field.", "use load_rows() instead.")
-    return [r[s.text_field] for r in load_rows(name, data_dir_override, source)]
+    return [r[s.text_field] for r in load_rows(name, data_dir_override, source, revision)]
 
 
 def load_documents(name: str, data_dir_override=None, source: str | None = None,
-                   max_documents: int | None = None) -> list[str]:
+                   max_documents: int | None = None, revision: str | None = None) -> list[str]:
     """A text data set as documents: each non-blank row, or for line-row sets (WikiText) the rows
     joined with blank lines into one running text, the way the perplexity evaluation reads them.
 
     `max_documents` takes the first N documents; on the hub path the data set is then streamed, so a
-    corpus like C4 is never downloaded whole.
+    corpus like C4 is never downloaded whole. `revision`: as for load_rows.
     """
     s = spec(name)
     if _source(source) == "hub" and max_documents is not None:
-        import datasets
-
-        ds = datasets.load_dataset(s.hub_path, s.hub_name, split=s.hub_split, streaming=True)
-        texts = [r[s.text_field] for r in (ds if s.line_rows else ds.take(max_documents))]
+        revision = revision or s.hub_revision
+        ds = _hub_dataset(s, revision, streaming=True)
+        try:  # a streamed set is read here: its network errors surface while iterating
+            rows = list(ds if s.line_rows else ds.take(max_documents))
+        except Exception as e:  # noqa: BLE001
+            raise _hub_load_error(s, revision, e) from e
+        texts = [r[s.text_field] for r in rows]
     else:
-        texts = load_texts(name, data_dir_override, source)
+        texts = load_texts(name, data_dir_override, source, revision)
     docs = ["\n\n".join(texts)] if s.line_rows else [t for t in texts if t.strip()]
     return docs if max_documents is None else docs[:max_documents]
 
@@ -160,6 +223,11 @@ def _path_of(part: str) -> Path:
     return Path(part.removeprefix(PATH_PREFIX)).expanduser()
 
 
+def path_texts(part: str) -> list[str]:
+    """The texts of one `path:` part of a calibration spec, as calibration reads them."""
+    return _path_texts(_path_of(part))
+
+
 def _path_texts(path: Path) -> list[str]:
     if path.is_file():
         if path.suffix == ".jsonl":
@@ -183,7 +251,11 @@ def _path_texts(path: Path) -> list[str]:
     return texts
 
 
-def calibration_corpora(name: str, data_dir_override=None, source: str | None = None) -> list[list[str]]:
-    """The texts of every part of a calibration data spec, in order."""
-    return [_path_texts(_path_of(p)) if p.startswith(PATH_PREFIX) else load_texts(p, data_dir_override, source)
+def calibration_corpora(name: str, data_dir_override=None, source: str | None = None,
+                        revisions: dict[str, str] | None = None) -> list[list[str]]:
+    """The texts of every part of a calibration data spec, in order. revisions: registry part -> hub
+    commit to read it at (as for load_rows; a part not named: its pinned or newest commit)."""
+    revisions = revisions or {}
+    return [path_texts(p) if p.startswith(PATH_PREFIX)
+            else load_texts(p, data_dir_override, source, revisions.get(p))
             for p in calibration_parts(name)]
