@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from transmla.errors import TransMLAError
 from transmla.io.paths import atomic_dir, atomic_file, check_output
-from transmla.io.sources import sha256_file
+from transmla.io.sources import sha256_file, tokenizer_hash
 
 from . import codehash
 from ._env import STORE
@@ -65,21 +65,6 @@ def dir_ref(path: str | os.PathLike, sha256: str | None = None, **extra) -> dict
     if not p.is_dir():
         raise TransMLAError(f"Input directory {p} does not exist.", "run the stage that produces it first (dvc repro).")
     return {"path": str(p), "sha256": sha256 or sha256_tree(p), **extra}
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
-
-
-def tokenizer_hash(path: str | os.PathLike) -> str:
-    """Content hash of a model directory's tokenizer files (not part of the model content hash,
-    which covers config + weights, yet they decide every token a task sees)."""
-    root, h = Path(path), hashlib.sha256()
-    for name in TOKENIZER_FILES:
-        if (root / name).is_file():
-            h.update(name.encode())
-            h.update(sha256_file(root / name).encode())
-    return h.hexdigest()
 
 
 def model_ref(path: str | os.PathLike, sha256: str, **extra) -> dict:

