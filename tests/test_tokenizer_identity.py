@@ -50,6 +50,20 @@ def test_tokenizer_hash_values_are_unchanged(tmp_path):
 
 # ------------------------------------------------------------------------------- the local folder's release id
 
+def test_tokenizer_hash_covers_every_file_that_can_be_the_tokenizer(tmp_path):
+    """A folder whose tokenizer is a vocab.txt, tiktoken ranks or a sentencepiece file of another name:
+    changing that file changes the hash (the cache keys and the release id)."""
+    from transmla.io.sources import tokenizer_hash
+
+    d = tmp_path / "m"
+    d.mkdir()
+    for name in ("vocab.txt", "cl100k.tiktoken", "spiece.model"):
+        (d / name).write_text("one\n")
+        before = tokenizer_hash(d)
+        (d / name).write_text("two\n")
+        assert tokenizer_hash(d) != before, name
+
+
 def test_local_folder_release_id_covers_the_tokenizer(tmp_path):
     from flows.nightly import release_dir
     from transmla.io.releases import resolve

@@ -529,7 +529,10 @@ def tokenizer_hash(path: str | os.PathLike) -> str:
     """Content hash of a model directory's tokenizer files (TOKENIZER_HASH_FILES that are present). Not part
     of content_hash, which covers config + weights, yet they decide every token the model sees."""
     root, h = Path(path), hashlib.sha256()
-    for name in TOKENIZER_HASH_FILES:
+    # then every other file that alone can be a tokenizer (check_model_dir's patterns): BERT's vocab.txt,
+    # tiktoken ranks, other sentencepiece names; appended, so folders without them keep their hash
+    extra = sorted({p.name for pat in TOKENIZER_PATTERNS for p in root.glob(pat)} - set(TOKENIZER_HASH_FILES))
+    for name in (*TOKENIZER_HASH_FILES, *extra):
         if (root / name).is_file():
             h.update(name.encode())
             h.update(sha256_file(root / name).encode())
