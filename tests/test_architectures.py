@@ -555,3 +555,23 @@ def test_finetune_of_the_package_classes(tmp_path, tiny_tokenizer, family, cls_n
     if family in ("gemma2", "gemma3"):
         with pytest.raises(TransMLAError, match="attn_weight"):
             finetune(model, train, val, cfg.model_copy(update={"attn_weight": 1.0}), str(tmp_path / "w2"), teacher=teacher)
+
+
+def test_instantiate_gemma3_fills_its_non_persistent_buffers():
+    """The in-memory export (figure sweeps) of a Gemma 3 MLA model: its embedding scale, a buffer no state
+    dict carries, is set as the class sets it, so the model runs and equals the one built directly."""
+    from transmla.io.export import instantiate
+    from transmla.models import Gemma3MLAConfig, Gemma3MLAForCausalLM
+
+    cfg = Gemma3MLAConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                          query_pre_attn_scalar=16, pad_token_id=0, layer_types=["sliding_attention", "full_attention"],
+                          kv_lora_rank=12, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                          rope_plan=[0, 2, 4, 6], q_lora_rank=64, qk_norm_groups=2)
+    torch.manual_seed(0)
+    ref = Gemma3MLAForCausalLM(cfg).eval()
+    model = instantiate(cfg, {k: v.clone() for k, v in ref.state_dict().items()})
+    assert not [n for n, b in model.named_buffers() if b.is_meta]
+    ids = torch.randint(1, 101, (1, 10))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)

