@@ -15,7 +15,8 @@ from transmla.convert import ConvertOptions, convert
 from transmla.io.data import load_documents
 from transmla.method.diagnostics import latent_norm_identity_error
 from transmla.errors import TransMLAError
-from transmla.runtime.serving import load_checkpoint, pad_for_vllm, use_recorded_latent_norm_eps
+from transmla.method.diagnostics import use_recorded_latent_norm_eps
+from transmla.runtime.serving import load_checkpoint, pad_for_vllm
 from transmla.io.export import instantiate
 from transmla.training.finetune import (FinetuneConfig, UnfoldedNorm, fold_latent_norms, finetune, mean_loss, pack_corpus,
                                         save_finetuned, unfold_latent_norms)

@@ -17,7 +17,8 @@ from transmla.io.data import load_texts
 from transmla.errors import TransMLAError
 from transmla.io.export import instantiate
 from transmla.method.mla import LATENT_NORM_EPS
-from transmla.runtime.serving import load_checkpoint, pad_checkpoint, pad_for_vllm, use_recorded_latent_norm_eps, vllm_problems
+from transmla.method.diagnostics import use_recorded_latent_norm_eps
+from transmla.runtime.serving import load_checkpoint, pad_checkpoint, pad_for_vllm, vllm_problems
 from transmla.io.sources import load_model
 
 CAL = dict(cal_nsamples=8, cal_seqlen=64, cal_batch_size=4)

@@ -718,7 +718,7 @@ def load_model(source: str | ModelSource, dtype: str = "float32", device: str = 
     if (getattr(model.config, "transmla", None) or {}).get("latent_norm_eps") is not None:
         # transformers builds the latent norms with a fixed 1e-6; an export built for another eps (a vLLM-padded
         # one: rms_norm_eps) is a different function until its latent-norm identities get their eps back
-        from transmla.runtime.serving import use_recorded_latent_norm_eps
+        from transmla.method.diagnostics import use_recorded_latent_norm_eps
 
         use_recorded_latent_norm_eps(model)
     model.to(device).eval()

@@ -19,6 +19,16 @@ def latent_norms(model):
                 yield layer.self_attn, name, norm
 
 
+def use_recorded_latent_norm_eps(model) -> float:
+    """Set the eps of every kv_a_layernorm / q_a_layernorm of a transformers DeepseekV3 model to the one its
+    latent-norm identities were built for (`config.transmla.latent_norm_eps`); transformers otherwise uses
+    a fixed 1e-6. Returns the eps. A no-op for exports built for 1e-6 (the default)."""
+    eps = float(model.config.transmla["latent_norm_eps"])
+    for _, _, norm in latent_norms(model):
+        norm.variance_epsilon = eps
+    return eps
+
+
 @torch.no_grad()
 def latent_norm_identity_error(model, input_ids: torch.Tensor) -> float:
     """Largest per-token relative error of kv_a_layernorm / q_a_layernorm against the identity they

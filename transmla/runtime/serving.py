@@ -23,8 +23,9 @@ in stock vLLM's DeepSeek-V2 MoE layout (`_deepseek_v2_moe`: softmax router, top-
 
 Consistency between runtimes: the padded checkpoint targets vLLM (latent_norm_eps =
 config.rms_norm_eps by default) and records that eps in `config.transmla.latent_norm_eps`. Loaded
-in transformers (fixed 1e-6) it must get that eps back: `use_recorded_latent_norm_eps(model)` sets
-it, after which transformers computes what vLLM computes. `pad_for_vllm(..., latent_norm_eps=1e-6)`
+in transformers (fixed 1e-6) it must get that eps back: `transmla.io.sources.load_model` does it
+(`transmla.method.diagnostics.use_recorded_latent_norm_eps(model)` after a plain from_pretrained),
+after which transformers computes what vLLM computes. `pad_for_vllm(..., latent_norm_eps=1e-6)`
 instead targets plain transformers.
 
 Serve the padded directory through `transmla.runtime.vllm_env.run_vllm` (or with vLLM's custom op
@@ -51,7 +52,7 @@ from pathlib import Path
 import torch
 
 from transmla.errors import TransMLAError
-from transmla.method.diagnostics import latent_norms
+
 
 VLLM_KV_LORA_RANK = 512  # vLLM CPU_MLA decode kernel: the only supported sizes
 VLLM_QK_ROPE_HEAD_DIM = 64
@@ -204,8 +205,8 @@ def pad_for_vllm(config, state_dict: dict[str, torch.Tensor], kv_lora_rank: int 
         "qk_rope_head_dim": R2,
         "served_kv_cache_values_per_token_per_layer": r2 + R2,
         "note": "zero-padded: same function as the unpadded export; its KV cache is what the kernel allocates, "
-                "the information content is padded_from's. Load in transformers with "
-                "transmla.runtime.serving.use_recorded_latent_norm_eps(model).",
+                "the information content is padded_from's. Load in transformers with transmla's load_model, or "
+                "call transmla.method.diagnostics.use_recorded_latent_norm_eps(model) after from_pretrained.",
     }
     meta["latent_norm_eps"] = eps_tgt
     fields["transmla"] = meta
@@ -257,16 +258,6 @@ def _deepseek_v2_moe(fields: dict, sd: dict[str, torch.Tensor], n_layers: int):
             out[f"{p}{e}.up_proj.weight"] = gate_up[e, inter:].contiguous()
             out[f"{p}{e}.down_proj.weight"] = down[e].contiguous()
     return DeepseekV2Config.from_dict(fields), out
-
-
-def use_recorded_latent_norm_eps(model) -> float:
-    """Set the eps of every kv_a_layernorm / q_a_layernorm of a transformers DeepseekV3 model to the one its
-    latent-norm identities were built for (`config.transmla.latent_norm_eps`); transformers otherwise uses
-    a fixed 1e-6. Returns the eps. A no-op for exports built for 1e-6 (the default)."""
-    eps = float(model.config.transmla["latent_norm_eps"])
-    for _, _, norm in latent_norms(model):
-        norm.variance_epsilon = eps
-    return eps
 
 
 def load_checkpoint(src_dir: str | Path):
