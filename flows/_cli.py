@@ -81,6 +81,21 @@ def check_new_outputs(args, kinds: dict[str, str]) -> None:
             check_output(getattr(args, name), kind, "--" + name.replace("_", "-"))
 
 
+def check_inputs(kwargs: dict) -> None:
+    """Input options a user named (--stats-file, --checkpoint) must be there: refused before the flow run
+    starts, with the option in the message (inside the run they fail after Prefect's traceback)."""
+    from pathlib import Path
+
+    if "stats_file" in kwargs and not Path(kwargs["stats_file"]).is_file():
+        raise TransMLAError(f"--stats-file {kwargs['stats_file']} is not a file.",
+                            "point it at a calibration statistics file (python -m flows.calibrate writes one), "
+                            "or leave it out to compute the statistics (cached).")
+    if "checkpoint" in kwargs and not (Path(kwargs["checkpoint"]) / "config.json").is_file():
+        raise TransMLAError(f"--checkpoint {kwargs['checkpoint']} is not a model directory (no config.json).",
+                            "point it at a converted (or fine-tuned) checkpoint directory, or leave it out for "
+                            "the pipeline's own.")
+
+
 def run(main) -> None:
     """Run `main()`; a TransMLAError becomes one line with its fix and exit code 2.
 
@@ -342,6 +357,7 @@ def entry(flow, doc: str, variant: bool | str = False, model: bool = True, new_o
         profile = profile_of(args)
         check_variant(profile, *pos)
         check_new_outputs(args, new_outputs or {})
+        check_inputs(kwargs)
         result = flow(profile, *pos, **kwargs)
         if isinstance(result, str):
             print(result)

@@ -41,8 +41,10 @@ def layer_steps(model_ref: dict, stats: dict, o: ConvertOptions) -> tuple[list[d
     return rotations, bases
 
 
-def converted(profile: Profile, model_ref: dict, o: ConvertOptions, out: str, stats_file: str | None = None) -> dict:
-    """The cached steps of one conversion, exported to `out` -> the checkpoint's ref."""
+def converted(profile: Profile, model_ref: dict, o: ConvertOptions, out: str, stats_file: str | None = None,
+              replace: bool = False) -> dict:
+    """The cached steps of one conversion, exported to `out` (replace: a pipeline output the run owns) -> the
+    checkpoint's ref."""
     stats = None
     if o.normalized().calibration != "sequential":  # the original model's statistics (sequential makes its own)
         stats = file_ref(stats_file) if stats_file else stats_for(profile, model_ref)
@@ -50,9 +52,9 @@ def converted(profile: Profile, model_ref: dict, o: ConvertOptions, out: str, st
         b = resolve_budget(spec_of(model_ref), o)
         streamed = streamed_layers(model_ref, calibration_ref(o.cal_dataset), stats, list(b.plan), b.kv_lora_rank,
                                    o.model_dump())
-        return export_checkpoint(model_ref, None, [], [], o.model_dump(), out, streamed)
+        return export_checkpoint(model_ref, None, [], [], o.model_dump(), out, streamed, replace)
     rotations, bases = layer_steps(model_ref, stats, o)
-    return export_checkpoint(model_ref, stats, rotations, bases, o.model_dump(), out)
+    return export_checkpoint(model_ref, stats, rotations, bases, o.model_dump(), out, replace=replace)
 
 
 @flow(name="convert")
@@ -60,7 +62,9 @@ def convert(profile: Profile, model: str, method: str, budget: float, out: str |
             stats_file: str | None = None) -> dict:
     o = profile.convert_options(method, budget)
     model_ref = resolve_model(profile.model(model).source)
-    ckpt = converted(profile, model_ref, o, str(out or layout.checkpoint_dir(model, method, budget)), stats_file)
+    # a pipeline output (a DVC out) is replaced, as dvc repro does; a user's --out never
+    ckpt = converted(profile, model_ref, o, str(out or layout.checkpoint_dir(model, method, budget)), stats_file,
+                     replace=out is None)
     info = ckpt["transmla"]
     tracking.track(profile.mlflow.experiment, model, method, budget, config=o.model_dump(),
                    params={"model": model, "source": profile.model(model).source, **o.used(),

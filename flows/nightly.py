@@ -34,7 +34,7 @@ from tasks.artifacts import STORE, canonical
 from tasks.model import resolve_model
 from tasks.releases import watch_releases
 from tasks.report import table_row
-from transmla.io.paths import write_text_atomic
+from transmla.io.paths import check_output, write_text_atomic
 from transmla.io.releases import one_line
 from transmla.io.sources import parse_source
 
@@ -89,6 +89,8 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
     | unresolved (the watch entry could not be looked up: index or hub unreachable, a bad name)."""
     profile = load_profile(params, overrides)
     night = profile.nightly
+    # the report is written last: a path it cannot take is refused now, not after the night's conversions
+    check_output(night.report, "file", "nightly.report")
     log = get_run_logger()
     root = Path(out_root) if out_root else layout.ARTIFACTS / "nightly"
     seen = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

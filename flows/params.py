@@ -358,6 +358,8 @@ def load_profile(path: str | os.PathLike | None = None, overrides: dict | None =
         raw = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
         raise TransMLAError(f"{p} is not valid YAML: {' '.join(str(e).split())}", "fix the YAML syntax.") from e
+    except UnicodeDecodeError as e:
+        raise TransMLAError(f"{p} is not UTF-8 text (byte {e.start}).", "save the params file as UTF-8.") from e
     if not isinstance(raw, dict):
         raise TransMLAError(f"{p} is not a mapping of sections (models:, pipeline:, ...).", "fix the YAML's top level.")
     for dotted, value in (overrides or {}).items():

@@ -57,11 +57,12 @@ def build(model: dict, stats: dict | None, rotations: list[dict], bases: list[di
 
 @task(name="export_checkpoint", cache_policy=NO_CACHE)
 def export_checkpoint(model: dict, stats: dict | None, rotations: list[dict], bases: list[dict], options: dict, out: str,
-                      streamed: dict | None = None) -> dict:
-    """Write the converted model to `out` (atomically) -> its model ref, with the record and timings."""
+                      streamed: dict | None = None, replace: bool = False) -> dict:
+    """Write the converted model to `out` (atomically; replace: a pipeline output, replaced whole) -> its model
+    ref, with the record and timings."""
     t0 = time.perf_counter()
     tok, config, sd, metadata = build(model, stats, rotations, bases, ConvertOptions(**options), streamed)
-    out = write_checkpoint(out, config, sd, tok, metadata)
+    out = write_checkpoint(out, config, sd, tok, metadata, replace=replace)
     return model_ref(out, content_hash(out), transmla=config.transmla, seconds=round(time.perf_counter() - t0, 2),
                      peak_rss_gib=round(peak_rss_gib(), 3))
 

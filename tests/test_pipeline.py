@@ -117,6 +117,9 @@ def test_missing_params_file(tmp_path):
 
     with pytest.raises(TransMLAError, match="not found"):
         load_profile(tmp_path / "nope.yaml")
+    (tmp_path / "latin.yaml").write_bytes(b"device: cpu # caf\xe9\n")
+    with pytest.raises(TransMLAError, match="not UTF-8"):
+        load_profile(tmp_path / "latin.yaml")
 
 
 def test_cli_bad_param_exits_2_and_writes_nothing(tmp_path):
@@ -127,6 +130,17 @@ def test_cli_bad_param_exits_2_and_writes_nothing(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("transmla: error:") and "freqfold" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("module, option", [("flows.convert", "--stats-file"), ("flows.evaluate", "--checkpoint")])
+def test_cli_missing_input_is_one_line_before_the_run(tmp_path, module, option):
+    """A named input that is not there: one line naming the option, exit 2, no flow run (no Prefect traceback)."""
+    r = subprocess.run([sys.executable, "-m", module, "--model", "smollm2-135m", "--method", "transmla",
+                        "--budget", "0.125", option, str(tmp_path / "nonexistent"), "--out", str(tmp_path / "out")],
+                       cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith(f"transmla: error: {option}")
+    assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
 
 
 def test_impossible_budget_is_one_clear_error(tmp_path, tiny_dir, monkeypatch):
@@ -190,6 +204,11 @@ def test_convert_cache_keys(tmp_path, tiny_dir, monkeypatch):
     # Calibration params change everything downstream.
     run(load_profile(write_profile(tmp_path, tiny_dir), {"calibration.seed": 7}))
     assert count.take() == {"stats": 1, "rotation": 2, "basis": 2}
+    # The pipeline's own output (no --out) is replaced on a rerun, as dvc repro replaces it; a user's --out is not.
+    default = [convert(prof, "tiny", "transmla", 0.25) for _ in range(2)]
+    assert default[0]["path"] == default[1]["path"] and default[1]["sha256"] == first["sha256"]
+    with pytest.raises(TransMLAError, match="not empty"):
+        convert(prof, "tiny", "transmla", 0.25, out=default[0]["path"])
 
 
 def test_streamed_row_is_one_cached_task(tmp_path, tiny_dir, monkeypatch):
@@ -562,6 +581,16 @@ def test_nightly_skips_unchanged_releases(tmp_path, tiny_dir, tiny_tokenizer, mo
     third = nightly(prof)
     assert [r["status"] for r in third] == ["converted"] and third[0]["release_id"] != first[0]["release_id"]
     assert first[0]["release_id"].startswith("sha256:")  # a local directory's release id: its content hash
+
+
+def test_nightly_refuses_a_report_path_it_cannot_write_before_any_work(tmp_path, tiny_dir, monkeypatch):
+    from flows.nightly import nightly
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(TransMLAError, match="nightly.report"):
+        nightly(str(write_profile(tmp_path, tiny_dir)), {"nightly.report": str(tmp_path / "afile" / "n.md")})
+    assert not (tmp_path / "artifacts").exists()  # nothing fetched nor converted
 
 
 def test_nightly_deployment_schedule_matches_params():

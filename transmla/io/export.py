@@ -237,9 +237,11 @@ def _write_record(tmp: Path, config, tokenizer, metadata: dict) -> None:
     (tmp / "transmla_report.json").write_text(json.dumps(metadata, indent=2, default=str))
 
 
-def write_checkpoint(out: str | Path, config, state_dict: dict[str, torch.Tensor], tokenizer, metadata: dict) -> Path:
-    """Write config + safetensors + tokenizer + metadata atomically to `out`."""
-    out = check_output(out)
+def write_checkpoint(out: str | Path, config, state_dict: dict[str, torch.Tensor], tokenizer, metadata: dict,
+                     replace: bool = False) -> Path:
+    """Write config + safetensors + tokenizer + metadata atomically to `out`. replace: `out` is a pipeline
+    output the run owns (a DVC out), replaced whole; otherwise a non-empty `out` is refused."""
+    out = Path(out) if replace else check_output(out)
     check_state_dict(config, state_dict)
     with atomic_dir(out) as tmp:
         write_sharded(tmp, state_dict)
