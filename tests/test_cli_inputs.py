@@ -135,7 +135,22 @@ def test_finetune_refuses_out_under_a_file(work, capsys, no_weights):
 
 # 4, 5. eval's numbers
 
-@pytest.mark.parametrize("value", ["abc", "0", "-2"])
+@pytest.mark.parametrize("flags, words", [(["--tasks", ","], "empty task list"),
+                                          (["--tasks", "mmlu", "--num-fewshot", "-1"], "negative")])
+def test_eval_refuses_no_tasks_and_negative_fewshot(llama_dir, work, capsys, no_weights, flags, words):
+    root, common = work
+    _refused(["eval", "--model", str(llama_dir), *flags, *common], capsys, root, words)
+
+
+@pytest.mark.parametrize("cmd", ["convert", "ppl", "eval", "finetune"])
+@pytest.mark.parametrize("device, words", [("foo", "not a torch device"), ("cuda:7", "no such CUDA device")])
+def test_a_device_this_machine_lacks_is_refused_before_any_work(llama_dir, work, capsys, no_weights, cmd, device, words):
+    root, common = work
+    model = str(_mla_dir(root)) if cmd == "finetune" else str(llama_dir)
+    _refused([cmd, "--model", model, "--out", str(root / "o"), "--device", device, *common], capsys, root, words, "--device")
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "auto:abc", "auto:0", "autox"])
 def test_eval_refuses_bad_batch_size(llama_dir, work, capsys, no_weights, value):
     root, common = work
     _refused(["eval", "--model", str(llama_dir), "--batch-size", value, *common], capsys, root, "--batch-size")

@@ -131,15 +131,15 @@ def _bench_counts(flag: str, field: str, text: str, fix: str, **options) -> dict
 
 def _batch_size(text: str) -> int | str:
     """--batch-size: a positive integer, or lm-eval's auto / auto:N (passed on as it is)."""
-    if text.startswith("auto"):
+    if text == "auto" or (text.startswith("auto:") and text[5:].isdigit() and int(text[5:]) >= 1):
         return text
     try:
         n = int(text)
     except ValueError:
         n = 0
     if n < 1:
-        raise TransMLAError(f"--batch-size {text!r} is not a positive integer or auto.",
-                            "pass --batch-size N with N >= 1 (e.g. 8), or --batch-size auto.")
+        raise TransMLAError(f"--batch-size {text!r} is not a positive integer, auto or auto:N.",
+                            "pass --batch-size N with N >= 1 (e.g. 8), --batch-size auto, or auto:N (N >= 1).")
     return n
 
 
@@ -348,11 +348,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_device(device: str) -> None:
+    """--device names a torch device this machine has (checked before any weight is loaded)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise TransMLAError(f"--device {device!r} is not a torch device ({str(e).splitlines()[0]}).",
+                            "pass cpu, cuda or cuda:N.") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise TransMLAError(f"--device {device}: no such CUDA device here ({torch.cuda.device_count()} visible).",
+                            "pass --device cpu, or run on a machine with that GPU.")
+    if dev.type not in ("cpu", "cuda", "mps", "xpu"):
+        raise TransMLAError(f"--device {device!r}: the pipeline runs on cpu or cuda.", "pass cpu or cuda.")
+
+
 def main(argv: list[str] | None = None) -> int:
     _offline_defaults()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "device", None) is not None:
+            check_device(args.device)
         result = args.func(args)
     except TransMLAError as e:
         print(f"transmla: error: {e}", file=sys.stderr)

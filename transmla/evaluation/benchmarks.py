@@ -260,6 +260,10 @@ def check_evaluation(tasks, limit: int | None = None, num_fewshot: int = 0, prot
     they load or materialise the model (an unusable out_dir would otherwise fail after the whole run)."""
     from transmla.io.paths import check_output
 
+    if not tasks:
+        raise TransMLAError("No benchmark to evaluate (an empty task list).", f"name some of {', '.join(TASKS)}.")
+    if num_fewshot < 0:
+        raise TransMLAError(f"num_fewshot={num_fewshot} is negative.", "pass 0 (the paper's zero-shot) or more.")
     for t in tasks:
         if t not in TASKS:
             raise TransMLAError(f"Unknown benchmark {t!r}.", f"choose from {', '.join(TASKS)}.")
