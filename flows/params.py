@@ -369,6 +369,10 @@ def load_profile(path: str | os.PathLike | None = None, overrides: dict | None =
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
+        msg = first["msg"].removeprefix("Value error, ")
+        if not first["loc"]:  # a check across sections: its message names them; the input is the whole profile
+            fix = (f"change the -S values or {p.name} so they agree" if overrides else f"fix it in {p.name}")
+            raise TransMLAError(f"{p}: {msg}", fix + " (schema: flows/params.py).") from e
         # a bad value given with -S is fixed there, not in the file
         given = [k for k in overrides or {} if f"{where}.".startswith(f"{k}.") or f"{k}.".startswith(f"{where}.")]
         fix = f"change -S {given[0]}=... (schema: flows/params.py)." if given else \

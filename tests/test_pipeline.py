@@ -112,6 +112,22 @@ def test_bad_params_name_the_field(override, field):
     assert field in str(e.value) and "Fix:" in str(e.value)
 
 
+def test_a_cross_field_error_is_one_short_line():
+    """A check across sections (or across options) names what disagrees, not a dump of the whole profile."""
+    from flows.params import load_profile
+    from transmla.config import ConvertOptions, options_error
+
+    with pytest.raises(TransMLAError) as e:
+        load_profile(overrides={"pipeline.models": ["foo"]})
+    assert "['foo']" in str(e.value) and "-S" in e.value.fix and len(str(e.value)) < 300
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as v:
+        ConvertOptions.model_validate({"lossless": True, "kv_cache_ratio": 0.5})
+    err = options_error(v.value, "ConvertOptions")
+    assert "lossless" in str(err) and "got" not in str(err) and len(str(err)) < 300
+
+
 def test_missing_params_file(tmp_path):
     from flows.params import load_profile
 

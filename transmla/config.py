@@ -54,8 +54,10 @@ class Options(BaseModel):
 
 def options_error(e: ValidationError, what: str) -> TransMLAError:
     first = e.errors()[0]
-    where = ".".join(str(x) for x in first["loc"]) or what
     msg = first["msg"].removeprefix("Value error, ")
+    if not first["loc"]:  # a check across fields: its message names them; the input is every option
+        return TransMLAError(f"{what}: {msg}.", "change one of the options it names (see `transmla --help`).")
+    where = ".".join(str(x) for x in first["loc"])
     return TransMLAError(f"{what}: {where}: {msg} (got {first.get('input')!r}).",
                          f"set a valid `{where}` (see `transmla --help` or transmla/config.py).")
 
