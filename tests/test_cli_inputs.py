@@ -112,6 +112,13 @@ def test_convert_refuses_out_under_a_file(llama_dir, work, capsys, no_weights):
     assert (root / "afile").read_text() == "x"
 
 
+def test_convert_refuses_out_that_is_a_file(llama_dir, work, capsys, no_weights):
+    root, common = work
+    (root / "afile").write_text("x")
+    _refused(["convert", "--model", str(llama_dir), "--out", str(root / "afile"), *common], capsys, root,
+             "--out", "is a file, not a directory")
+
+
 def test_ppl_refuses_out_that_is_a_directory(llama_dir, work, capsys, no_weights):
     root, common = work
     (root / "existing").mkdir()

@@ -46,7 +46,9 @@ def new_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     from transmla.errors import TransMLAError
 
     out = Path(path).expanduser().resolve()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise TransMLAError(f"{flag} {out} is a file, not a directory.", f"give {flag} a new directory path.")
+    if out.exists() and any(out.iterdir()):
         raise TransMLAError(f"Output directory {out} exists and is not empty.", f"choose a new {flag} or remove it.")
     return out
 
