@@ -75,6 +75,23 @@ def test_dry_run_refuses_impossible_q_lora_rank(llama_dir, work, capsys, no_weig
               "--dry-run", *common], capsys, root, "q_lora_rank=100000", "--q-lora-rank between 1 and 64")
 
 
+@pytest.mark.parametrize("case, words", [("out", "exists and is not empty"), ("cal", "Unknown data set"),
+                                         ("data_dir", "--data-dir")])
+@pytest.mark.parametrize("dry", [True, False])
+def test_convert_and_its_dry_run_refuse_the_same_inputs_before_any_work(llama_dir, work, capsys, no_weights, case,
+                                                                        words, dry):
+    """The dry run says no where the run would: an --out in use, an unknown calibration set, a --data-dir
+    without the calibration file (named with its flag; the run loaded the weights before finding it out)."""
+    root, common = work
+    flags = {"out": [], "cal": ["--cal-dataset", "nonexist"], "data_dir": ["--data-dir", str(root / "nodata")]}[case]
+    out = root / "used"
+    if case == "out":
+        out.mkdir()
+        (out / "x").write_text("x")
+    _refused(["convert", "--model", str(llama_dir), "--out", str(out), "--qk-rope-dim", "8", *flags, *common]
+             + (["--dry-run"] if dry else []), capsys, root, words)
+
+
 def test_dry_run_accepts_possible_q_lora_rank(llama_dir, work, capsys, no_weights):
     root, common = work
     assert main(["convert", "--model", str(llama_dir), "--out", str(root / "o"), "--q-lora-rank", "64",

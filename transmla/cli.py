@@ -85,10 +85,12 @@ def cmd_ppl(args) -> dict:
 
 
 def cmd_convert(args) -> dict:
-    from transmla.convert import convert, plan_conversion
+    from transmla.convert import convert, plan_conversion, precheck
     from transmla.pipeline.plan import format_plan
 
-    if args.dry_run:
+    if args.dry_run:  # refuses what the run would refuse before its work, then plans from the config
+        precheck(args.model, args.out, convert_options(args), cache=args.cache_dir, data_dir=args.data_dir,
+                 weights=False)
         plan = plan_conversion(args.model, convert_options(args), cache=args.cache_dir)
         print(format_plan(plan), file=sys.stderr)
         return plan.to_dict()

@@ -138,21 +138,40 @@ def calibration_windows(tok, o: ConvertOptions, data_dir=None) -> torch.Tensor:
     return mixed_calibration_ids(tok, calibration_corpora(o.cal_dataset, data_dir), o.cal_nsamples, o.cal_seqlen, o.seed)
 
 
+def precheck(source: str, out: str | Path | None, o: ConvertOptions, cache=None, data_dir=None,
+             weights: bool = True) -> dict:
+    """What a conversion refuses before any work, shared by the run and the dry run: calibration data
+    (unknown set, missing file or path), an `out` the export could not write, a local model folder that
+    cannot load (no safetensors weights, unreadable tokenizer; weights=False: the dry run, which plans a
+    folder holding only config.json), an unsupported architecture and impossible ranks (from the config,
+    before any weight is read, downloaded or dequantised). -> the source's config."""
+    from transmla.io.data import check_calibration_files
+    from transmla.io.paths import check_output
+    from transmla.io.sources import check_model_dir, check_source, parse_source
+
+    check_calibration_files(o.cal_dataset, data_dir)
+    if out is not None:
+        check_output(out)
+    src = parse_source(source)
+    if src.kind == "dir" and weights:
+        check_model_dir(Path(src.location))
+    cfg = check_source(src, cache)
+    spec = config_spec(cfg)
+    if spec is not None:
+        check_request(spec, o)
+    return cfg
+
+
 def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_dir=None, progress=True) -> dict:
     """Load `source`, calibrate, convert, export to `out`. Returns the conversion record plus timings
     (the timings stay out of the checkpoint, so identical conversions give identical checkpoints)."""
-    from transmla.io.data import calibration_parts
     from transmla.io.export import write_checkpoint
     from transmla.io.paths import check_output
-    from transmla.io.sources import check_source, load_model, source_info
+    from transmla.io.sources import load_model, source_info
 
     t0 = time.perf_counter()
-    calibration_parts(o.cal_dataset)  # unknown data set or missing path: fail before any work
-    out = check_output(out)  # an --out the export could not write: refused now, not after the conversion
-    cfg = check_source(source, cache)  # unsupported architecture: refused from its config, before any weight is read
-    spec = config_spec(cfg)
-    if spec is not None:  # impossible ranks / RoPE dims: refused from the config too (the dry run's check),
-        check_request(spec, o)  # not after loading, downloading or dequantising the weights
+    precheck(source, out, o, cache, data_dir)
+    out = check_output(out)
     info = source_info(source, cache)
     if o.load == "layers":
         return convert_layer_streamed(source, out, o, info, t0, cache, data_dir, progress)

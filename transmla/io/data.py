@@ -82,7 +82,7 @@ def local_path(name: str, data_dir_override: str | os.PathLike | None = None) ->
     if not path.is_file():
         raise TransMLAError(
             f"Data file not found: {path} (data set {name!r}).",
-            f"point the environment variable {DATA_DIR_ENV} (or the `data_dir` param) at the folder "
+            f"point --data-dir (or the environment variable {DATA_DIR_ENV}, or the `data_dir` param) at the folder "
             f"holding the offline data (the repository expects it at ../shared/data), "
             f"or set {DATA_SOURCE_ENV}=hub on a machine with hub access.",
         )
@@ -217,6 +217,14 @@ def calibration_parts(name: str) -> list[str]:
         else:
             spec(p)  # unknown names fail here, listing the registry
     return parts
+
+
+def check_calibration_files(name: str, data_dir_override=None, source: str | None = None) -> None:
+    """Every part of a calibration spec is there to read: registry names known (and, offline, their local
+    files present), path: parts existing. Cheap; run before any model is loaded."""
+    for p in calibration_parts(name):
+        if not p.startswith(PATH_PREFIX) and _source(source) == "local":
+            local_path(p, data_dir_override)
 
 
 def _path_of(part: str) -> Path:
