@@ -153,12 +153,12 @@ def precheck(source: str, out: str | Path | None, o: ConvertOptions, cache=None,
     if out is not None:
         check_output(out)
     src = parse_source(source)
-    if src.kind == "dir" and weights:
-        check_model_dir(Path(src.location))
-    cfg = check_source(src, cache)
+    cfg = check_source(src, cache)  # the architecture first: a folder of an unsupported one is refused as such
     spec = config_spec(cfg)
     if spec is not None:
         check_request(spec, o)
+    if src.kind == "dir" and weights:
+        check_model_dir(Path(src.location))
     return cfg
 
 
