@@ -90,3 +90,18 @@ def test_interrupt_right_after_the_temporary_is_created_leaves_nothing(tmp_path,
             pass
     monkeypatch.setattr(paths.os, "mkdir", real_mkdir)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_written_folder_has_a_plain_mkdir_mode(tmp_path):
+    """A checkpoint or evaluation folder is renamed into place as it was created: it must carry the mode a
+    plain mkdir gives (0777 & ~umask), not a private 0700 that no one else on the machine can read."""
+    old = os.umask(0o022)
+    try:
+        with atomic_dir(tmp_path / "model") as tmp:
+            (tmp / "config.json").write_text("{}")
+        with atomic_dir(tmp_path / "model2"):
+            pass
+    finally:
+        os.umask(old)
+    assert (tmp_path / "model").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "model2").stat().st_mode & 0o777 == 0o755

@@ -8,8 +8,8 @@ import pytest
 
 from transmla.errors import TransMLAError
 from transmla.evaluation import stats
-from transmla.evaluation.benchmarks import (TASKS, evaluate, mmlu_subjects, paired_columns, task_strata,
-                                           write_task_yamls)
+from transmla.evaluation.benchmarks import (PREFIX, TASKS, evaluate, mmlu_subjects, paired_columns, task_strata,
+                                           write_results, write_task_yamls)
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +135,17 @@ def test_cli_bad_sample_flags_exit_2_naming_the_flag(flags, named, capsys):
     assert main(["eval", "--model", "/nonexistent", *flags]) == 2  # refused before any model is read
     err = capsys.readouterr().err
     assert named in err and "BENCHMARK=N" in err
+
+
+def test_an_out_folder_holds_one_run(tmp_path):
+    """eval --out into the folder of an earlier run: the earlier run's sample files of other tasks do not
+    remain beside the new results.json (the folder would mix two runs)."""
+    row = {"doc_id": 0, "target": 1}
+    write_results(tmp_path, {"tasks": ["arc_easy", "piqa"]},
+                  {"samples": {f"{PREFIX}arc_easy": [row], f"{PREFIX}piqa": [row, row]}})
+    assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == ["arc_easy.jsonl", "piqa.jsonl"]
+    write_results(tmp_path, {"tasks": ["piqa"]}, {"samples": {f"{PREFIX}piqa": [row]}})
+    assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == ["piqa.jsonl"]
+    assert len(_samples(tmp_path, "piqa")) == 1
+    assert json.loads((tmp_path / "results.json").read_text()) == {"tasks": ["piqa"]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "samples"]  # no temporaries left

@@ -421,17 +421,21 @@ def paired_columns(result: dict, reference: dict) -> dict:
 
 
 def write_results(out_dir: str | Path, result: dict, raw: dict) -> None:
+    """results.json and samples/<task>.jsonl of one run. The samples folder is replaced whole: an --out that
+    held an earlier run (other tasks, another limit) never mixes its sample files with this run's."""
+    from transmla.io.paths import atomic_dir
+
     out = Path(out_dir)
-    (out / "samples").mkdir(parents=True, exist_ok=True)
     groups: dict[str, list] = {}
     for name, rows in raw.get("samples", {}).items():
         task = "mmlu" if name.startswith(f"{PREFIX}mmlu_") else name[len(PREFIX):]
         for row in rows:
             row = dict(row, task=name[len(PREFIX):])
             groups.setdefault(task, []).append(row)
-    for task, rows in groups.items():
-        with open(out / "samples" / f"{task}.jsonl", "w") as f:
-            for row in rows:
-                f.write(json.dumps(row, default=str) + "\n")
+    with atomic_dir(out / "samples") as tmp:
+        for task, rows in groups.items():
+            with open(tmp / f"{task}.jsonl", "w") as f:
+                for row in rows:
+                    f.write(json.dumps(row, default=str) + "\n")
     write_text_atomic(out / "results.json", json.dumps(result, indent=2, default=str))
     print(f"[transmla] wrote {out / 'results.json'}", file=sys.stderr)

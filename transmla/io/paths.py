@@ -100,8 +100,10 @@ def atomic_dir(final: str | os.PathLike):
     tmp = _fresh_name(final.parent, f".{final.name}.tmp-")
     try:
         # created inside the try: a signal landing right after mkdir (KeyboardInterrupt is raised
-        # between bytecodes) still reaches the cleanup below (tempfile.mkdtemp would leave it behind)
-        os.mkdir(tmp, 0o700)
+        # between bytecodes) still reaches the cleanup below (tempfile.mkdtemp would leave it behind);
+        # with a plain mkdir's mode (0777 & ~umask): the folder is renamed into place as it is, and a
+        # checkpoint others on the machine could not read would be useless to them
+        os.mkdir(tmp, 0o777)
         yield tmp
         for _ in range(100):
             if final.exists():
