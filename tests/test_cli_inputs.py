@@ -225,6 +225,32 @@ def test_finetune_checks_pass_for_a_converted_model(work, no_weights):
               *common])
 
 
+def test_finetune_refuses_a_split_the_corpora_cannot_give_before_loading(llama_dir, work, capsys, monkeypatch):
+    """--val-tokens is checked against the corpora (read and split with the model's tokenizer alone) before any
+    weight loads, and named as the flag, not as the params' finetune.val_tokens."""
+    import shutil
+
+    import transmla.io.sources as sources
+
+    root, common = work
+    student = _mla_dir(root)
+    for f in llama_dir.iterdir():  # its tokenizer; the weights file is only a name (never read here)
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, student / f.name)
+    (student / "model.safetensors").write_bytes(b"not read")
+    data = root.parent / f"{root.name}-data"
+    (data / "corpus").mkdir(parents=True)
+    (data / "corpus" / "c4_demo.jsonl").write_text(
+        "".join(json.dumps({"text": f"document {i} " + "words and more words " * 40}) + "\n" for i in range(6)))
+    monkeypatch.setattr(sources, "load_model", _touched)
+    argv = ["finetune", "--model", str(student), "--out", str(root / "ft"), "--corpora", "c4-demo",
+            "--data-dir", str(data), "--seqlen", "32", *common]
+    _refused([*argv, "--val-tokens", "100000000"], capsys, root, "--val-tokens 100000000", "leaves no training",
+             "lower --val-tokens")
+    with pytest.raises(WeightsTouched):  # a split the corpora give: the next step is loading the model
+        main([*argv, "--val-tokens", "64"])
+
+
 def test_finetune_refuses_a_missing_teacher_before_loading(work, capsys, no_weights):
     root, common = work
     _refused(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora", "wikitext2-train",

@@ -187,8 +187,9 @@ def cmd_finetune(args) -> dict:
 
     from transmla.io.data import load_documents
     from transmla.io.paths import check_output
-    from transmla.training.finetune import FinetuneConfig, check_mla_type, check_teacher_config, finetune_on_corpora
-    from transmla.io.sources import load_model, source_config
+    from transmla.training.finetune import (FinetuneConfig, check_mla_type, check_teacher_config, finetune_on_corpora,
+                                            pack_corpus)
+    from transmla.io.sources import load_model, load_tokenizer, source_config
     from transmla.runtime.memory import peak_rss_bytes
 
     cfg = FinetuneConfig(**{k: getattr(args, k) for k in FinetuneConfig.model_fields})
@@ -208,13 +209,17 @@ def cmd_finetune(args) -> dict:
     check_mla_type(student.get("model_type"))
     if args.teacher:
         check_teacher_config(student, source_config(args.teacher, args.cache_dir))
+    # the corpora are read and split before any weights load: a --val-tokens or --seqlen the corpora cannot
+    # satisfy is refused in seconds, named as the flag
+    docs = {n: load_documents(n, data_dir_override=args.data_dir) for n in names}
+    packed = pack_corpus(load_tokenizer(args.model, args.cache_dir), docs, cfg.seqlen, cfg.val_tokens, cfg.seed,
+                         setting=lambda field: "--" + field.replace("_", "-"))
     model, tok = load_model(args.model, dtype="float32", device=args.device, cache=args.cache_dir)
     teacher = None  # with --objective lm a teacher only scores: the validation KL, for comparing objectives
     if args.teacher:
         teacher = load_model(args.teacher, dtype=cfg.teacher_dtype, device=args.device, cache=args.cache_dir)[0]
-    docs = {n: load_documents(n, data_dir_override=args.data_dir) for n in names}
     with contextlib.redirect_stdout(sys.stderr):  # Trainer prints its logs; stdout stays the result's JSON
-        record = finetune_on_corpora(model, tok, docs, cfg, work, out, teacher=teacher)
+        record = finetune_on_corpora(model, tok, docs, cfg, work, out, teacher=teacher, packed=packed)
     keys = ("objective", "val_loss_before", "val_loss_after", "val_kd_before", "val_kd_after", "val_attn_before",
             "val_attn_after", "train_loss", "steps",
             "tokens_trained", "resumed_from", "seconds_this_run", "tokens_per_second", "params", "layerwise")

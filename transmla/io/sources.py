@@ -695,7 +695,7 @@ def _load_error(src: ModelSource, loc: str, what: str, e: BaseException) -> Tran
 def load_model(source: str | ModelSource, dtype: str = "float32", device: str = "cpu", cache=None):
     """Load (model, tokenizer) from any source with stock transformers. Never trusts remote code."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     import transmla.models  # noqa: F401  (registers this package's model classes with the Auto classes)
 
@@ -706,10 +706,7 @@ def load_model(source: str | ModelSource, dtype: str = "float32", device: str = 
     kwargs = {"revision": src.revision} if src.revision else {}
     # materialize checked the files; these catch what a listing cannot see (an unreadable tokenizer,
     # a weight file transformers refuses). Other exceptions are bugs and keep their traceback.
-    try:
-        tok = AutoTokenizer.from_pretrained(loc, **kwargs)
-    except (OSError, ValueError) as e:
-        raise _load_error(src, loc, "tokenizer", e) from e
+    tok = _load_tokenizer(src, loc, kwargs)
     try:
         # use_safetensors: never fall back to a pickled checkpoint (unpickling can run code)
         model = AutoModelForCausalLM.from_pretrained(loc, dtype=getattr(torch, dtype), use_safetensors=True, **kwargs)
@@ -723,6 +720,21 @@ def load_model(source: str | ModelSource, dtype: str = "float32", device: str = 
         use_recorded_latent_norm_eps(model)
     model.to(device).eval()
     return model, tok
+
+
+def _load_tokenizer(src: ModelSource, loc: str, kwargs: dict):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(loc, **kwargs)
+    except (OSError, ValueError) as e:
+        raise _load_error(src, loc, "tokenizer", e) from e
+
+
+def load_tokenizer(source: str | ModelSource, cache=None):
+    """The tokenizer of any source, without its weights (what load_model returns beside the model)."""
+    src = source if isinstance(source, ModelSource) else parse_source(source)
+    return _load_tokenizer(src, materialize(src, cache), {"revision": src.revision} if src.revision else {})
 
 
 def fetch_model(source: str, out: str | os.PathLike, cache=None) -> dict:

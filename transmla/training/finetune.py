@@ -56,8 +56,12 @@ IDENTITY_MIN_SCALE = 1e4
 
 # ---------------------------------------------------------------- data
 
+def _param_name(field: str) -> str:
+    return f"finetune.{field}"
+
+
 def pack_corpus(tokenizer, corpora: dict[str, list[str]], seqlen: int, val_tokens: int,
-                seed: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                seed: int, setting=_param_name) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Tokenize documents, join them with EOS, cut fixed-length blocks; a seeded held-out split by document.
 
     corpora: name -> documents. Each corpus gives the validation split its share of `val_tokens`
@@ -65,6 +69,7 @@ def pack_corpus(tokenizer, corpora: dict[str, list[str]], seqlen: int, val_token
     shares an article with a training block. A corpus that is one running text (WikiText) holds out one
     contiguous span at a seeded place instead. Blocks never mix corpora or cross the split; training
     blocks are shuffled with `seed`. Returns (train [n, seqlen], val [m, seqlen], info) as int64 tensors.
+    setting(field) names a setting in an error (the params' finetune.val_tokens; the CLI's --val-tokens).
     """
     eos = tokenizer.eos_token_id
     if eos is None:
@@ -75,8 +80,8 @@ def pack_corpus(tokenizer, corpora: dict[str, list[str]], seqlen: int, val_token
     total = sum(len(t) for ds in docs.values() for t in ds)
     n_val = math.ceil(val_tokens / seqlen)
     if n_val * seqlen >= total:
-        raise TransMLAError(f"val_tokens={val_tokens} leaves no training tokens (the corpora hold {total}).",
-                            "lower finetune.val_tokens.")
+        raise TransMLAError(f"{setting('val_tokens')} {val_tokens} leaves no training tokens (the corpora hold "
+                            f"{total}).", f"lower {setting('val_tokens')}.")
     train_blocks, val_blocks, info = [], [], {"corpora": {}}
 
     def blocks_of(ids: list[int]) -> torch.Tensor:
@@ -109,12 +114,13 @@ def pack_corpus(tokenizer, corpora: dict[str, list[str]], seqlen: int, val_token
     val = torch.cat(val_blocks) if val_blocks else torch.zeros(0, seqlen, dtype=torch.long)
     train = torch.cat(train_blocks) if train_blocks else torch.zeros(0, seqlen, dtype=torch.long)
     if len(train) + len(val) == 0:
-        raise TransMLAError(f"The fine-tune corpora hold fewer than {seqlen} tokens.", "add data or lower finetune.seqlen.")
+        raise TransMLAError(f"The fine-tune corpora hold fewer than {seqlen} tokens.",
+                            f"add data or lower {setting('seqlen')}.")
     if not len(train) or not len(val):
-        raise TransMLAError(f"val_tokens={val_tokens} leaves {len(train)} training and {len(val)} validation blocks "
-                            f"of {seqlen} tokens ({total} tokens in all).",
-                            "lower finetune.val_tokens." if not len(train) else
-                            f"raise finetune.val_tokens: each corpus holds out its share of it in whole {seqlen}-token "
+        raise TransMLAError(f"{setting('val_tokens')} {val_tokens} leaves {len(train)} training and {len(val)} "
+                            f"validation blocks of {seqlen} tokens ({total} tokens in all).",
+                            f"lower {setting('val_tokens')}." if not len(train) else
+                            f"raise {setting('val_tokens')}: each corpus holds out its share of it in whole {seqlen}-token "
                             f"blocks, and every share here rounded to none.")
     order = list(range(len(train)))
     rng.shuffle(order)
@@ -743,15 +749,16 @@ def save_finetuned(model, tokenizer, out, record: dict):
 
 
 def finetune_on_corpora(model, tokenizer, corpora: dict[str, list[str]], cfg: FinetuneConfig, work_dir,
-                        out, teacher=None) -> dict:
+                        out, teacher=None, packed: tuple | None = None) -> dict:
     """The whole recovery run: pack `corpora` (name -> documents), train (resuming from `work_dir`'s
     last checkpoint; `teacher` for the kd objectives), write the stock checkpoint to `out`, delete the
-    Trainer checkpoints. Returns the run record."""
+    Trainer checkpoints. Returns the run record. packed: pack_corpus's result for these corpora and
+    `cfg`, when the caller packed them already (the CLI does, to refuse a bad split before the model loads)."""
     import shutil
     from pathlib import Path
 
     check_mla_model(model, cfg)
-    train, val, data = pack_corpus(tokenizer, corpora, cfg.seqlen, cfg.val_tokens, cfg.seed)
+    train, val, data = packed or pack_corpus(tokenizer, corpora, cfg.seqlen, cfg.val_tokens, cfg.seed)
     record = finetune(model, train, val, cfg, str(work_dir), teacher=teacher)
     record["data"] = data
     if not is_main_process():  # several processes (DDP): every one holds the same weights, one writes them
