@@ -672,6 +672,39 @@ def test_compiled_decode_skips_guards_only_for_inputs_it_has_run(tiny_pair, monk
             assert rows.blocked != a.blocked and call_signature(ids[:, :1].contiguous(), rows) != sig
 
 
+def test_compiled_steps_past_the_recompile_limit_compile_instead_of_running_eagerly(tiny_pair):
+    """Dynamo keeps decode_step's graphs per code object and, past its recompile_limit, runs the function
+    eagerly with only a log line: a sweep over more batch sizes than the limit would time eager steps as
+    compiled. Past it the step drops the graphs and compiles, so every call runs a graph (and, the guards
+    of a dropped graph not skipped, the right one): the log-probs stay the stock forward's. The limit is
+    lowered to 2 here to keep the compiles few."""
+    from torch._dynamo.utils import counters
+
+    from transmla.runtime.compiled_decode import StaticLatentCache, compiled_step
+
+    _, mla = tiny_pair("llama")
+    ids = _ids(mla, batch=1, n=6)
+    ref = _logprobs(mla, ids)[:, 5]
+    torch._dynamo.reset()
+    with absorbed(mla), torch._dynamo.config.patch(recompile_limit=2):
+        prefill = LatentCache(mla.config)
+        with torch.no_grad():
+            mla(ids[:, :5], past_key_values=prefill, use_cache=True)
+
+        def run(step, batch):
+            cache = StaticLatentCache.from_latent_cache(prefill, batch=batch, capacity=8)
+            graphs = counters["stats"]["unique_graphs"]
+            got = torch.log_softmax(step(ids[:, 5:6].expand(batch, 1).contiguous(), cache).float(), -1)
+            assert (got - ref).abs().max() < TOL
+            return counters["stats"]["unique_graphs"] - graphs  # graphs this call compiled
+
+        first = compiled_step(mla)
+        assert [run(first, 2), run(first, 2)] == [1, 0]  # compiled once, then reused
+        assert [run(compiled_step(mla), b) for b in (3, 4)] == [1, 1]  # one step per cell: the third compiles too
+        assert run(first, 2) == 1  # its graph was dropped with the others: compiled again, guarded
+        assert [run(first, b) for b in (3, 4, 2)] == [1, 1, 1]
+
+
 def test_static_latent_cache_copies_repeats_and_refuses(tiny_pair):
     """from_latent_cache repeats each prefilled sequence to the batch; bad sizes, a full cache and models
     the compiled step cannot run are refused with the fix named (before anything compiles)."""

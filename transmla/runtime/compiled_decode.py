@@ -30,6 +30,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch._dynamo.config as dynamo_config
+import torch._dynamo.exc as dynamo_exc
 import torch._inductor.config as inductor_config
 from torch import nn
 
@@ -187,6 +189,9 @@ def check_compilable(model: nn.Module) -> None:
         raise TransMLAError("The compiled decode step needs the absorbed model.", "call transmla.runtime.absorb.enable_absorb(model) first.")
 
 
+_GRAPHS_DROPPED = [0]  # times decode_step's compiled graphs were dropped (dynamo's recompile limit reached)
+
+
 def compiled_step(model: nn.Module, freezing: bool = True, gemm: str = "mkl"):
     """`decode_step` compiled by torch.compile (inductor, static shapes); call it under torch.no_grad().
 
@@ -200,7 +205,9 @@ def compiled_step(model: nn.Module, freezing: bool = True, gemm: str = "mkl"):
     30-layer model on 2 CPU cores); a new batch size compiles again ("mkl", "stream", "tiled"), a new capacity does not
     (it is marked dynamic). A call whose inputs (`call_signature`) have run before skips dynamo's guard
     evaluation, so a model changed after the first call needs a new step (its frozen graph holds the old
-    weights in any case). Raises TransMLAError when `check_compilable` fails, gemm is not one of
+    weights in any case). Every step shares decode_step's graphs (a sweep compiles once per batch size, not
+    per cell); when dynamo's recompile_limit is reached, they are all dropped and the call compiles, never
+    running eagerly. Raises TransMLAError when `check_compilable` fails, gemm is not one of
     `packed.KERNELS` or, for "stream" and "tiled", the model is not packed with it.
     """
     from transmla.runtime import cpu_kernels
@@ -217,6 +224,13 @@ def compiled_step(model: nn.Module, freezing: bool = True, gemm: str = "mkl"):
                                 f"call transmla.runtime.packed.pack(model, batch, kernel={gemm!r}) first.")
     compiled = torch.compile(decode_step, dynamic=False)
     seen: set[tuple] = set()  # the call signatures (`call_signature`) a graph was compiled for
+    generation = _GRAPHS_DROPPED[0]  # `seen` holds only while decode_step's graphs have not been dropped since
+
+    def run(ids, cache, skip_guards: bool):
+        with torch.no_grad(), inductor_config.patch(freezing=freezing, cpp_wrapper=gemm in OP_KERNELS), \
+                dynamo_config.patch(fail_on_recompile_limit_hit=True), \
+                torch.compiler.set_stance(skip_guard_eval_unsafe=True) if skip_guards else contextlib.nullcontext():
+            return compiled(model, ids, cache)
 
     def step(ids: torch.Tensor, cache: StaticLatentCache) -> torch.Tensor:
         # freezing patched around every call, not passed as a compile option: inductor reads it when
@@ -237,10 +251,23 @@ def compiled_step(model: nn.Module, freezing: bool = True, gemm: str = "mkl"):
         # for inputs a graph was compiled for, so the step checks those itself (`call_signature`); a new
         # one runs with the guards, which compile it. What the signature leaves out is the model, which
         # the frozen graph holds anyway: compile again after changing it.
+        nonlocal generation
+        if generation != _GRAPHS_DROPPED[0]:
+            seen.clear()
+            generation = _GRAPHS_DROPPED[0]
         sig = call_signature(ids, cache)
-        with torch.no_grad(), inductor_config.patch(freezing=freezing, cpp_wrapper=gemm in OP_KERNELS), \
-                torch.compiler.set_stance(skip_guard_eval_unsafe=True) if sig in seen else contextlib.nullcontext():
-            logits = compiled(model, ids, cache)
+        try:
+            logits = run(ids, cache, skip_guards=sig in seen)
+        except dynamo_exc.FailOnRecompileLimitHit:
+            # Every step compiles the one decode_step, and dynamo keeps its graphs per code object: a process
+            # that made steps for more input signatures (a sweep's batch sizes) than its recompile_limit (8)
+            # would have this call run eagerly, with a log line only. Drop all of decode_step's graphs
+            # instead (steps still in use compile theirs again) and compile this one.
+            torch._dynamo.reset_code(decode_step.__code__)
+            _GRAPHS_DROPPED[0] += 1
+            seen.clear()
+            generation = _GRAPHS_DROPPED[0]
+            logits = run(ids, cache, skip_guards=False)
         seen.add(sig)
         return logits
 
