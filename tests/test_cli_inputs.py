@@ -225,6 +225,14 @@ def test_finetune_checks_pass_for_a_converted_model(work, no_weights):
               *common])
 
 
+def test_dry_run_warns_of_calibration_windows_past_the_models_positions(llama_dir, work, capsys, no_weights):
+    """--cal-seqlen past max_position_embeddings (512) is planned with one warning, before any weight loads."""
+    root, common = work
+    with pytest.warns(UserWarning, match=r"cal_seqlen 600 is longer than the model's max_position_embeddings"):
+        assert main(["convert", "--model", str(llama_dir), "--out", str(root / "o"), "--cal-seqlen", "600",
+                     "--dry-run", *common]) == 0
+
+
 def test_finetune_refuses_a_split_the_corpora_cannot_give_before_loading(llama_dir, work, capsys, monkeypatch):
     """--val-tokens is checked against the corpora (read and split with the model's tokenizer alone) before any
     weight loads, and named as the flag, not as the params' finetune.val_tokens."""

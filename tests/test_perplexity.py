@@ -33,3 +33,25 @@ def test_wikitext_joins_rows_with_blank_lines(tiny_model_dir):
     res = wikitext2_perplexity(model, tok, seqlen=64, max_tokens=256, progress=False)
     assert res["windows"] == 4 and math.isfinite(res["ppl"])
     assert res["corpus_tokens"] == tokenize_corpus(tok, ["a", "b"]).numel() or res["corpus_tokens"] > 10_000
+
+
+def test_windows_past_the_models_positions_are_warned_not_refused(tiny_model_dir, recwarn):
+    """A window longer than max_position_embeddings (512 here) runs (extrapolation can be the point) with one
+    warning naming the setting and the limit; a window inside it runs silently. So do finetune's blocks."""
+    import warnings
+
+    from transmla.config import FinetuneConfig
+    from transmla.training.finetune import check_mla_model
+
+    model, _ = load_model(str(tiny_model_dir))
+    assert model.config.max_position_embeddings == 512
+    ids = torch.randint(0, 100, (2 * 520,), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        perplexity(model, ids, seqlen=512, progress=False)
+    with pytest.warns(UserWarning, match=r"seqlen 520 is longer than the model's max_position_embeddings \(512\)"):
+        res = perplexity(model, ids, seqlen=520, progress=False)
+    assert res["windows"] == 2 and math.isfinite(res["ppl"])
+    mla = type("MLA", (), {"config": type("C", (), {"model_type": "deepseek_v3", "max_position_embeddings": 512})()})
+    with pytest.warns(UserWarning, match="seqlen 1024 is longer"):
+        check_mla_model(mla, FinetuneConfig(seqlen=1024))

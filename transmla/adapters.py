@@ -49,6 +49,21 @@ def rope_parameters(cfg) -> dict:
     return rp
 
 
+def warn_past_positions(cfg, seqlen: int, setting: str) -> str | None:
+    """Warn (and return the text) when `seqlen`-token sequences run past the config's max_position_embeddings:
+    not an error (RoPE computes any position, and extrapolation can be what is measured), but every number
+    from such sequences includes positions the model was not trained on."""
+    import warnings
+
+    limit = _get(cfg, "max_position_embeddings", None)
+    if not isinstance(limit, int) or seqlen <= limit:
+        return None
+    text = (f"transmla: {setting} {seqlen} is longer than the model's max_position_embeddings ({limit}): positions "
+            f"past {limit} are extrapolated, and what is measured or fitted on them includes that.")
+    warnings.warn(text, stacklevel=2)
+    return text
+
+
 def check_architecture(model_type: str | None) -> None:
     """Refuse a model family the converter does not handle, naming what in it is missing."""
     families = ", ".join(sorted(SUPPORTED))

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from transmla.adapters import GQASpec, attention_weights, read_spec
+from transmla.adapters import GQASpec, attention_weights, read_spec, warn_past_positions
 from transmla.config import REFIT_DAMP, REFIT_MAX_DIM, ConvertOptions
 from transmla.method.calibration import CalibrationStats, collect_stats, mixed_calibration_ids
 from transmla.method.mla import MLALayer, check_q_lora_rank
@@ -157,6 +157,7 @@ def precheck(source: str, out: str | Path | None, o: ConvertOptions, cache=None,
     spec = config_spec(cfg)
     if spec is not None:
         check_request(spec, o)
+    warn_past_positions(cfg, o.cal_seqlen, "cal_seqlen")
     if src.kind == "dir" and weights:
         check_model_dir(Path(src.location))
     return cfg

@@ -14,6 +14,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from transmla.adapters import warn_past_positions
 from transmla.errors import TransMLAError
 
 
@@ -46,6 +47,7 @@ def perplexity(
     Returns {"ppl", "nll", "tokens" (windows*seqlen fed), "predicted", "windows", "seqlen", "seconds"}.
     """
     check_windows(seqlen, max_tokens)
+    warn_past_positions(model.config, seqlen, "seqlen")
     if max_tokens is not None:
         ids = ids[:max_tokens]
     n_windows = ids.numel() // seqlen

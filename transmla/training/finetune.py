@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from transmla.adapters import warn_past_positions
 from transmla.config import FinetuneConfig
 from transmla.errors import TransMLAError
 from transmla.method.diagnostics import latent_norms
@@ -306,6 +307,8 @@ def check_mla_model(model, cfg: FinetuneConfig | None = None) -> None:
     from transmla.models import Gemma2MLAConfig, Gemma3MLAConfig
 
     check_mla_type(getattr(model.config, "model_type", None))
+    if cfg is not None:
+        warn_past_positions(model.config, cfg.seqlen, "seqlen")
     if cfg is not None and isinstance(model.config, (Gemma2MLAConfig, Gemma3MLAConfig)):
         # the teacher's attention would need each layer's own RoPE and sliding-window mask
         for name in ("attn_weight", "layerwise_epochs"):
