@@ -73,7 +73,10 @@ def _variant(profile, rel: dict, model_ref: dict, original: dict, method: str, b
     ev = evaluate_ref(profile, ckpt)
     row = table_row(name, method, budget, ev["ppl"], ev["benchmarks"], ckpt["transmla"], profile.evaluation.limit)
     write_text_atomic(out / "metrics.json", json.dumps(row, indent=2))
-    tracking.track(profile.mlflow.experiment, name, method, budget, config=o.model_dump(),
+    # one MLflow run per release (as one folder): a local folder's or GGUF's slug is its path, the same for
+    # every release written there, and a shared run would keep the first release's write-once params
+    tracking.track(profile.mlflow.experiment, f"{name}/{release_dir(rel['release_id'])}", method, budget,
+                   config=o.model_dump(),
                    params={"source": rel["source"], "release_id": rel["release_id"], "watch": rel["watch"]},
                    metrics={"wikitext2_ppl": row["ppl"], "average": row["average"], "kv_cache_ratio": row["kv_cache_ratio"],
                             "original_wikitext2_ppl": original["ppl"], "original_average": original["average"]},

@@ -246,7 +246,7 @@ def fast_variants(monkeypatch):
     bookkeeping is what these tests check); resolve_model stays real unless a test replaces it."""
     import flows.nightly as N
 
-    calls = {"converted": [], "reference": []}
+    calls = {"converted": [], "reference": [], "track": []}
 
     def converted(profile, model_ref, o, out):
         calls["converted"].append((model_ref["sha256"], out))
@@ -262,7 +262,7 @@ def fast_variants(monkeypatch):
     monkeypatch.setattr(N, "converted", converted)
     monkeypatch.setattr(N, "evaluate_ref", evaluate_ref)
     monkeypatch.setattr(N, "table_row", lambda *a, **k: {"ppl": 12.0, "average": 0.4, "kv_cache_ratio": 0.25})
-    monkeypatch.setattr(N.tracking, "track", lambda *a, **k: None)
+    monkeypatch.setattr(N.tracking, "track", lambda *a, **k: calls["track"].append((a, k)))
     return calls
 
 
@@ -293,6 +293,11 @@ def test_rewritten_local_gguf_is_a_new_release_with_its_own_checkpoint(tmp_path,
         "each release is converted from its own weights"
     assert first["checkpoint"] != second["checkpoint"]
     assert second["release_id"].removeprefix("sha256:")[:12] in second["checkpoint"]
+    # each release logs into an MLflow run of its own (params are write-once: a shared run would keep the
+    # first release's release_id beside the second's metrics)
+    (a1, k1), (a2, k2) = fast_variants["track"]
+    assert a1[1] != a2[1] and second["release_id"].removeprefix("sha256:")[:12] in a2[1]
+    assert [k["params"]["release_id"] for k in (k1, k2)] == [first["release_id"], second["release_id"]]
     assert json.loads(Path(first["checkpoint"], "config.json").read_text())["from"] == content_hash(models[
         next(iter(models))]), "the first release's checkpoint is still the one its ledger entry names"
 
