@@ -429,3 +429,19 @@ def test_discovered_repo_lookup_failures_are_told_apart(hub, make_model, monkeyp
     assert got["hf:org/ok"].refused is None and got["hf:org/ok"].unresolved is None
     assert "gated" in got["hf:org/gated"].refused and got["hf:org/gated"].unresolved is None
     assert "connection reset" in got["hf:org/flaky"].unresolved and got["hf:org/flaky"].refused is None
+
+
+def test_a_config_transformers_refuses_is_a_refusal_not_an_unresolved_lookup(hub, make_model):
+    """A repository whose config.json transformers cannot build (RoPE scaling without its factor, heads
+    that do not divide the width) is the repository's defect: refused with the reason, not unresolved (an
+    unresolved row fails the night, and it would fail every night again)."""
+    from transmla.io.releases import discover
+
+    hub.publish("org/ok", make_model("ok"))
+    hub.publish("org/badrope", make_model("badrope", rope_scaling={"rope_type": "linear"}))
+    hub.publish("org/badheads", make_model("badheads", hidden_size=63))
+    got = {r.source.split("@")[0]: r for r in discover({"author": "org"}, max_params=1e9)}
+    assert got["hf:org/ok"].refused is None and got["hf:org/ok"].unresolved is None
+    for name in ("badrope", "badheads"):
+        r = got[f"hf:org/{name}"]
+        assert r.unresolved is None and "config.json does not load in transformers" in r.refused, r

@@ -83,13 +83,21 @@ def judge_config(cfg: dict, max_params: float | None, params: int | None = None)
 
     if not cfg:
         return "no config.json"
+    # A config transformers itself refuses (RoPE scaling without its factor, heads that do not divide the
+    # width, an unknown dtype) is the repository's defect: a refusal, not an unresolved lookup that would
+    # fail every night again.
     try:
         check_config(cfg)
     except TransMLAError as e:
         return e.problem
+    except Exception as e:  # noqa: BLE001
+        return f"config.json does not load in transformers ({one_line(e)})"
     if not cfg.get("num_attention_heads"):  # check_config refuses heads that do not group; no heads: no attention
         return "not grouped-query attention (no attention heads in config.json)"
-    n = params or params_of_config(cfg)
+    try:
+        n = params or params_of_config(cfg)
+    except Exception as e:  # noqa: BLE001
+        return f"config.json does not load in transformers ({one_line(e)})"
     if max_params and n and n > max_params:
         return f"{_count(n)} parameters, over the nightly cap of {_count(max_params)} (nightly.max_params)"
     return None
