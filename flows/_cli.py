@@ -53,6 +53,14 @@ def profile_of(args) -> Profile:
     return load_profile(args.params, overrides_of(args))
 
 
+def check_profile_device(profile: Profile) -> None:
+    """The params' device is one this machine has, checked before a flow starts (calibration and conversion
+    run on the CPU whatever it says: a missing GPU would otherwise fail only at the first evaluation)."""
+    from transmla.cli import check_device
+
+    check_device(profile.device, "params device", "set device: cpu in the params or pass -S device=cpu")
+
+
 def check_variant(profile: Profile, model: str | None = None, method: str | None = None, budget: float | None = None) -> None:
     """--model/--method/--budget against the validated profile, before a flow run starts (a run takes
     10-15 s to start and would report the same mistake under Prefect's traceback)."""
@@ -355,6 +363,7 @@ def entry(flow, doc: str, variant: bool | str = False, model: bool = True, new_o
         kwargs = {k: getattr(args, k) for k in options if getattr(args, k) not in (None, False)}
         pos = [args.model, args.method, args.budget] if variant else ([args.model] if model else [])
         profile = profile_of(args)
+        check_profile_device(profile)
         check_variant(profile, *pos)
         check_new_outputs(args, new_outputs or {})
         check_inputs(kwargs)

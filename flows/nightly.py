@@ -197,6 +197,7 @@ def main():
     args = ap.parse_args()
     overrides = _cli.overrides_of(args) or None
     profile = load_profile(args.params, overrides)  # validate before serving or running
+    _cli.check_profile_device(profile)
     if args.serve:
         from prefect import serve
 

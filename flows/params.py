@@ -93,6 +93,16 @@ def check_budget(b: float) -> float:
     return b
 
 
+def _decimal_budgets(v):
+    """Budgets written as integers are refused before pydantic makes them floats: DVC names the stages and
+    paths after the YAML's own text ('1') and the flows after the float ('1.0'), so the two would disagree."""
+    for b in v if isinstance(v, (list, tuple)) else ():
+        if isinstance(b, int) and not isinstance(b, bool):
+            raise ValueError(f"budget {b} is an integer: write it as a decimal ({float(b)!r}), as stage names "
+                             "and paths spell it")
+    return v
+
+
 def check_budgets(v: tuple[float, ...]) -> tuple[float, ...]:
     for b in v:
         check_budget(b)
@@ -107,6 +117,8 @@ class PipelineParams(Strict):
     models: tuple[str, ...]
     budgets: tuple[float, ...]  # KV-cache fraction kept (0.3125 = the paper's 68.75% cut)
     methods: tuple[Row, ...] = ("mha2mla", "transmla")
+
+    _decimal = field_validator("budgets", mode="before")(_decimal_budgets)
 
     @field_validator("budgets")
     @classmethod
@@ -142,6 +154,8 @@ class FinetuneParams(FinetuneConfig):
     methods: tuple[Row, ...] = ("transmla",)
     budgets: tuple[float, ...] = ()  # () = no fine-tune stage
     corpora: tuple[str, ...] = FINETUNE_CORPORA
+
+    _decimal = field_validator("budgets", mode="before")(_decimal_budgets)
     max_documents: int | None = Field(None, ge=1)  # per corpus; hub corpora are streamed up to it
 
     def config(self, device: str) -> dict:
@@ -157,6 +171,8 @@ class ThroughputParams(Strict):
 
     methods: tuple[Row, ...] = ("transmla",)
     budgets: tuple[float, ...] = ()  # () = no throughput stage
+
+    _decimal = field_validator("budgets", mode="before")(_decimal_budgets)
     contexts: tuple[int, ...] = (512, 1024, 2048, 4096)  # steady decode at each total context length
     batch: int = Field(8, ge=1)
     steps: int = Field(8, ge=1)  # timed decode steps per context (after 2 warm-up steps)
@@ -230,8 +246,11 @@ class NightlyParams(Strict):
     report: str = "reports/nightly.md"
     cron: str = "0 3 * * *"
     timezone: str = "UTC"
-    budgets: tuple[float, ...] = (0.125,)
-    methods: tuple[Row, ...] = ("transmla-refit",)  # the recommended mode
+    # at least one of each: a night with none would see its releases and record nothing
+    budgets: tuple[float, ...] = Field((0.125,), min_length=1)
+    methods: tuple[Row, ...] = Field(("transmla-refit",), min_length=1)  # the recommended mode
+
+    _decimal = field_validator("budgets", mode="before")(_decimal_budgets)
 
     @field_validator("budgets")
     @classmethod
@@ -270,7 +289,7 @@ class NightlyParams(Strict):
 
 
 class MLflowParams(Strict):
-    experiment: str = "transmla"
+    experiment: str = Field("transmla", min_length=1)  # MLflow refuses an empty name, after the conversion
 
 
 class Profile(Strict):
@@ -287,6 +306,36 @@ class Profile(Strict):
     throughput: ThroughputParams = ThroughputParams()
     nightly: NightlyParams = NightlyParams()
     mlflow: MLflowParams = MLflowParams()
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v):
+        # the spelling here; whether this machine has it, where a flow is about to run (flows._cli)
+        import torch
+
+        try:
+            torch.device(v)
+        except RuntimeError:
+            raise ValueError(f"device {v!r} is not a torch device: use cpu, cuda or cuda:N") from None
+        return v
+
+    @model_validator(mode="after")
+    def _data_sets(self):
+        # misspelt data set names fail here, not when their stage starts after the ones before it
+        from transmla.io.data import calibration_parts, spec
+
+        try:
+            calibration_parts(self.calibration.dataset)
+        except TransMLAError as e:
+            raise ValueError(f"calibration.dataset: {e.problem} ({e.fix})") from None
+        for field, names in (("evaluation.ppl_dataset", [self.evaluation.ppl_dataset]),
+                             ("finetune.corpora", self.finetune.corpora)):
+            for n in names:
+                try:
+                    spec(n)
+                except TransMLAError as e:
+                    raise ValueError(f"{field}: {e.problem} ({e.fix})") from None
+        return self
 
     @field_validator("models")
     @classmethod

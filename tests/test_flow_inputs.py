@@ -226,6 +226,40 @@ def test_nightly_params_are_validated_at_load(override, field):
     assert field in str(e.value) and "Fix:" in str(e.value)
 
 
+@pytest.mark.parametrize("override, words", [
+    # DVC names stages and paths after the YAML's "1", the flows after the float's "1.0"
+    ({"pipeline.budgets": [1, 0.125]}, ["pipeline.budgets", "integer", "1.0"]),
+    ({"finetune.budgets": [1]}, ["finetune.budgets", "integer"]),
+    ({"throughput.budgets": [1]}, ["throughput.budgets", "integer"]),
+    # each of these used to load, then fail inside a stage, after the stages before it had run
+    ({"evaluation.tasks": []}, ["evaluation.tasks", "no benchmark"]),
+    ({"nightly.methods": []}, ["nightly.methods", "at least 1"]),
+    ({"nightly.budgets": []}, ["nightly.budgets", "at least 1"]),
+    ({"mlflow.experiment": ""}, ["mlflow.experiment", "at least 1"]),
+    ({"device": "cdua"}, ["device", "not a torch device"]),
+    ({"calibration.dataset": "wikitext3-train"}, ["calibration.dataset", "Unknown data set 'wikitext3-train'"]),
+    ({"calibration.dataset": "wikitext2-train+path:/no/such/dir"}, ["calibration.dataset", "/no/such/dir"]),
+    ({"finetune.corpora": ["c4-demo", "c4"]}, ["finetune.corpora", "Unknown data set 'c4'"]),
+    ({"evaluation.ppl_dataset": "wikitext-2"}, ["evaluation.ppl_dataset", "Unknown data set"]),
+], ids=lambda x: next(iter(x)) if isinstance(x, dict) else None)
+def test_params_that_would_fail_inside_a_stage_are_refused_at_load(override, words):
+    from flows.params import load_profile
+
+    with pytest.raises(TransMLAError) as e:
+        load_profile(DEFAULT, override)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+    assert "Fix:" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_device_this_machine_lacks_is_refused_before_the_flow_run(tmp_path):
+    """Calibration and conversion run on the CPU whatever the device: a GPU the machine lacks would fail
+    only at the first evaluation, after them."""
+    r = _flow_cli(tmp_path, "calibrate", "--model", "tiny", "-S", "device=cuda:99")
+    _one_error_line(r, "params device cuda:99", "no such CUDA device", "-S device=cpu")
+    assert not (tmp_path / "artifacts").exists()
+
+
 def test_nightly_good_schedule_loads():
     from flows.params import load_profile
 

@@ -341,6 +341,8 @@ class EvaluationOptions(Options):
     @field_validator("tasks")
     @classmethod
     def _known(cls, v):
+        if not v:  # else the evaluation would fail after the perplexity run, not here
+            raise ValueError(f"tasks names no benchmark; choose from {list(BENCHMARKS)}")
         bad = [t for t in v if t not in BENCHMARKS]
         if bad:
             raise ValueError(f"unknown benchmarks {bad}; choose from {list(BENCHMARKS)}")
