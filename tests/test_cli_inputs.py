@@ -259,6 +259,17 @@ def test_finetune_refuses_a_split_the_corpora_cannot_give_before_loading(llama_d
         main([*argv, "--val-tokens", "64"])
 
 
+@pytest.mark.parametrize("where", ["out", "inside"])
+def test_finetune_refuses_a_work_dir_that_is_out_or_inside_it(work, capsys, no_weights, where):
+    """--out is written as a whole at the end (and its earlier contents replaced): a --work-dir there would lose
+    its checkpoints, or a user's files, to it."""
+    root, common = work
+    out = root / "ft"
+    wd = out if where == "out" else out / "trainer"
+    _refused(["finetune", "--model", str(_mla_dir(root)), "--out", str(out), "--work-dir", str(wd),
+              "--corpora", "wikitext2-train", *common], capsys, root, "--work-dir", "is --out or inside it")
+
+
 def test_finetune_refuses_a_missing_teacher_before_loading(work, capsys, no_weights):
     root, common = work
     _refused(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora", "wikitext2-train",

@@ -185,6 +185,26 @@ def test_interrupted_run_resumes_from_last_checkpoint(converted, blocks, trained
     assert (_logprobs(model, x) - _logprobs(ref_model, x)).abs().max() < 1e-3
 
 
+def test_a_work_dir_that_holds_other_files_keeps_them(converted, blocks, tmp_path):
+    """The run deletes what it wrote into its work dir (checkpoints, run.json) and nothing else: a user's
+    --work-dir may be a folder of their own (it was deleted whole, with whatever it held)."""
+    from transmla.training.finetune import finetune_on_corpora
+
+    model, tok = load_model(str(converted))
+    work = tmp_path / "mine"
+    work.mkdir()
+    (work / "notes.txt").write_text("keep")
+    (work / "checkpoint-old-style").mkdir()  # not a name the run writes
+    finetune_on_corpora(model, tok, {}, _cfg(max_tokens=2 * 4 * 64, eval_every=1), work, tmp_path / "out",
+                        packed=blocks)
+    assert sorted(p.name for p in work.iterdir()) == ["checkpoint-old-style", "notes.txt"]
+    assert (work / "notes.txt").read_text() == "keep" and (tmp_path / "out" / "model.safetensors").is_file()
+    own = tmp_path / "own"  # a work dir the run made is removed once empty
+    finetune_on_corpora(load_model(str(converted))[0], tok, {}, _cfg(max_tokens=2 * 4 * 64, eval_every=1), own,
+                        tmp_path / "out2", packed=blocks)
+    assert not own.exists()
+
+
 def test_mean_train_loss_weights_each_entry_by_the_steps_it_covers():
     """Losses equal to the step number, logged every 3 steps, the run resumed from the checkpoint at step 10:
     Trainer restarts its count there, so the entry at 12 is the mean of steps 11-12, and step 10 (never

@@ -203,6 +203,10 @@ def cmd_finetune(args) -> dict:
     work = Path(args.work_dir) if args.work_dir else out.with_name(f".{out.name}.trainer")
     if args.work_dir:  # it may exist: a rerun resumes from its checkpoints
         check_output(work, "dir", "--work-dir")
+        work = work.resolve()
+        if work == out or out in work.parents:  # the model is written over --out as a whole, at the end
+            raise TransMLAError(f"--work-dir {work} is --out or inside it.",
+                                "give --work-dir a folder outside --out (the default is a hidden sibling of --out).")
     names = [c.strip() for c in args.corpora.split(",") if c.strip()]
     _check_corpora(names, args.data_dir)
     student = source_config(args.model, args.cache_dir)  # configs, not weights: checked before any loads

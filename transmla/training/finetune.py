@@ -28,9 +28,11 @@ teacher the validation KL (eval_kd) is logged too.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -769,8 +771,26 @@ def finetune_on_corpora(model, tokenizer, corpora: dict[str, list[str]], cfg: Fi
     if Path(out).exists():  # a run that died between writing the model and cleaning up
         shutil.rmtree(out)
     save_finetuned(model, tokenizer, out, record)
-    shutil.rmtree(work_dir, ignore_errors=True)
+    remove_run_files(work_dir)
     return record
+
+
+def remove_run_files(work_dir) -> None:
+    """Delete what a run wrote into `work_dir` (Trainer checkpoints, run.json, layerwise.json), then the folder
+    if that left it empty. Only those: a user's --work-dir may be a folder that holds other things."""
+    import shutil
+    from pathlib import Path
+
+    root = Path(work_dir)
+    if not root.is_dir():
+        return
+    for p in root.iterdir():
+        if p.is_dir() and re.fullmatch(r"(tmp-)?checkpoint-\d+", p.name):
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.name in ("run.json", "layerwise.json") or re.fullmatch(r"\.run\.json\.\d+", p.name):
+            p.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        root.rmdir()
 
 
 def is_main_process() -> bool:
