@@ -255,8 +255,10 @@ def test_finetune_refuses_a_split_the_corpora_cannot_give_before_loading(llama_d
             "--data-dir", str(data), "--seqlen", "32", *common]
     _refused([*argv, "--val-tokens", "100000000"], capsys, root, "--val-tokens 100000000", "leaves no training",
              "lower --val-tokens")
+    _refused([*argv, "--val-tokens", "64", "--max-tokens", "100000000"], capsys, root, "--max-tokens 100000000",
+             "lower --max-tokens to at most", "--epochs repeats them")
     with pytest.raises(WeightsTouched):  # a split the corpora give: the next step is loading the model
-        main([*argv, "--val-tokens", "64"])
+        main([*argv, "--val-tokens", "64", "--max-tokens", "512"])
 
 
 @pytest.mark.parametrize("where", ["out", "inside"])

@@ -287,6 +287,55 @@ def test_bad_budget_and_teacher_are_refused_before_training(converted, blocks, t
     assert not (tmp_path / "w").exists()
 
 
+def test_a_teacher_of_another_depth_is_refused_before_the_model_changes(cut, blocks, sharp, tmp_path):
+    """Per-layer attention fitting pairs the student's layers with the teacher's: a teacher of another depth is
+    one clear error before anything is changed (it was a ValueError from inside the run, leaving the model
+    with unfolded latent norms and the fused kernel), and its config is refused before either model loads."""
+    from transmla.training.finetune import check_teacher_config
+
+    model, _ = load_model(str(cut))
+    teacher, _ = load_model(str(sharp))
+    teacher.model.layers = teacher.model.layers[:1]
+    attn = model.config._attn_implementation
+    for kw in ({"attn_weight": 1.0}, {"layerwise_epochs": 1.0}):
+        with pytest.raises(TransMLAError, match=r"teacher's layers \(1\) is not the student's \(2\)"):
+            finetune(model, blocks[0], blocks[1], _cfg(objective="kd", **kw), str(tmp_path / "w"), teacher=teacher)
+    assert model.config._attn_implementation == attn and not (tmp_path / "w").exists()
+    assert all(type(layer.self_attn.kv_a_layernorm).__name__ == "DeepseekV3RMSNorm" for layer in model.model.layers)
+    student = {"model_type": "deepseek_v3", "vocab_size": 10, "num_hidden_layers": 2, "hidden_size": 64}
+    check_teacher_config(student, {**student, "num_hidden_layers": 3}, _cfg(objective="kd"))  # kd alone: fine
+    with pytest.raises(TransMLAError, match="layerwise_epochs to 0"):
+        check_teacher_config(student, {**student, "num_hidden_layers": 3}, _cfg(objective="kd", layerwise_epochs=1.0))
+    with pytest.raises(TransMLAError, match="hidden size"):
+        check_teacher_config(student, {**student, "hidden_size": 32}, _cfg(objective="kd", attn_weight=1.0))
+
+
+def test_the_fold_runs_under_the_fused_kernel_and_the_kernels_are_put_back(converted, blocks, tmp_path, monkeypatch):
+    """The latent norms are folded back while the fused causal kernel still runs the model (the stock
+    kernel's [B, h, T, T] scores made the fold the run's memory peak at long blocks); afterwards the
+    model has its own attention kernel again."""
+    from transmla.training import finetune as ft
+
+    model, _ = load_model(str(converted))
+    attn = model.config._attn_implementation
+    seen = []
+    real = ft.fold_latent_norms
+    monkeypatch.setattr(ft, "fold_latent_norms", lambda m, ids: seen.append(m.config._attn_implementation) or real(m, ids))
+    finetune(model, blocks[0], blocks[1], _cfg(max_tokens=2 * 4 * 64, eval_every=1), str(tmp_path / "w"))
+    assert seen and seen[0] != attn and "causal" in seen[0]
+    assert model.config._attn_implementation == attn
+
+
+def test_the_validation_kl_is_at_temperature_one_whatever_the_training_temperature(cut, blocks, sharp, tmp_path):
+    """The validation KL compares runs and objectives: the plain KL to the original, not tau^2 times the KL at
+    the training temperature (which made it 460x larger at tau 4 for the same model)."""
+    model, _ = load_model(str(cut))
+    teacher, _ = load_model(str(sharp))
+    before = [finetune(load_model(str(cut))[0], blocks[0], blocks[1], _cfg(max_tokens=4 * 64, kd_temperature=t),
+                       str(tmp_path / f"w{t}"), teacher=teacher)["val_kd_before"] for t in (1.0, 4.0)]
+    assert before[0] == pytest.approx(before[1], rel=1e-6)
+
+
 def test_attention_mode_trains_only_mla_projections(converted, blocks, tmp_path):
     model, _ = load_model(str(converted))
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -187,8 +187,8 @@ def cmd_finetune(args) -> dict:
 
     from transmla.io.data import load_documents
     from transmla.io.paths import check_output
-    from transmla.training.finetune import (FinetuneConfig, check_mla_type, check_teacher_config, finetune_on_corpora,
-                                            pack_corpus)
+    from transmla.training.finetune import (FinetuneConfig, check_mla_type, check_teacher_config, check_training_blocks,
+                                            finetune_on_corpora, pack_corpus)
     from transmla.io.sources import load_model, load_tokenizer, source_config
     from transmla.runtime.memory import peak_rss_bytes
 
@@ -212,12 +212,14 @@ def cmd_finetune(args) -> dict:
     student = source_config(args.model, args.cache_dir)  # configs, not weights: checked before any loads
     check_mla_type(student.get("model_type"))
     if args.teacher:
-        check_teacher_config(student, source_config(args.teacher, args.cache_dir))
+        check_teacher_config(student, source_config(args.teacher, args.cache_dir), cfg)
     # the corpora are read and split before any weights load: a --val-tokens or --seqlen the corpora cannot
     # satisfy is refused in seconds, named as the flag
     docs = {n: load_documents(n, data_dir_override=args.data_dir) for n in names}
+    flag = lambda field: "--" + field.replace("_", "-")  # noqa: E731
     packed = pack_corpus(load_tokenizer(args.model, args.cache_dir), docs, cfg.seqlen, cfg.val_tokens, cfg.seed,
-                         setting=lambda field: "--" + field.replace("_", "-"))
+                         setting=flag)
+    check_training_blocks(len(packed[0]), cfg, setting=flag)
     model, tok = load_model(args.model, dtype="float32", device=args.device, cache=args.cache_dir)
     teacher = None  # with --objective lm a teacher only scores: the validation KL, for comparing objectives
     if args.teacher:

@@ -291,14 +291,41 @@ def check_mla_type(model_type: str | None) -> None:
         )
 
 
-def check_teacher_config(student: dict, teacher: dict) -> None:
-    """The teacher's config against the student's, before either loads: distillation compares their
-    next-token distributions, so their vocabularies must agree (the loaded models are checked again)."""
-    s, t = (c.get("text_config", c).get("vocab_size") for c in (student, teacher))
-    if s is not None and t is not None and s != t:
+def check_training_blocks(n: int, cfg: FinetuneConfig, setting=_param_name) -> None:
+    """The corpora's `n` training blocks hold cfg.max_tokens (Trainer would otherwise loop over the blocks
+    there are: more passes than `epochs` says). setting(field) names a setting in the error."""
+    needed = -(-cfg.max_tokens // cfg.seqlen)
+    if n < needed:
         raise TransMLAError(
-            f"The teacher's vocabulary ({t} tokens) is not the student's ({s}): distillation compares their "
-            "next-token distributions.", "pass the original model the student was converted from as --teacher.")
+            f"The corpora hold {n} training blocks of {cfg.seqlen} tokens ({n * cfg.seqlen} tokens), "
+            f"fewer than {setting('max_tokens')} {cfg.max_tokens} needs ({needed}).",
+            f"lower {setting('max_tokens')} to at most {n * cfg.seqlen} ({setting('epochs')} repeats them), "
+            "or add corpora.")
+
+
+def check_teacher_config(student: dict, teacher: dict, cfg: FinetuneConfig | None = None) -> None:
+    """The teacher's config against the student's, before either loads: distillation compares their
+    next-token distributions, so their vocabularies must agree, and per-layer attention fitting (cfg's
+    attn_weight or layerwise_epochs) pairs their layers, so then their depth and width must too (the loaded
+    models are checked again)."""
+    s, t = (c.get("text_config", c) for c in (student, teacher))
+    if s.get("vocab_size") is not None and t.get("vocab_size") is not None and s["vocab_size"] != t["vocab_size"]:
+        raise TransMLAError(
+            f"The teacher's vocabulary ({t['vocab_size']} tokens) is not the student's ({s['vocab_size']}): "
+            "distillation compares their next-token distributions.",
+            "pass the original model the student was converted from as --teacher.")
+    if cfg is not None and (cfg.attn_weight > 0 or cfg.layerwise_epochs > 0):
+        for key, what in (("num_hidden_layers", "layers"), ("hidden_size", "hidden size")):
+            if s.get(key) is not None and t.get(key) is not None and s[key] != t[key]:
+                _layer_mismatch(what, s[key], t[key])
+
+
+def _layer_mismatch(what: str, student, teacher):
+    raise TransMLAError(
+        f"The teacher's {what} ({teacher}) is not the student's ({student}): per-layer attention fitting "
+        "(attn_weight, layerwise_epochs) matches each converted layer to the original's.",
+        "pass the original model the student was converted from as the teacher, or set attn_weight and "
+        "layerwise_epochs to 0 (--attn-weight 0 --layerwise-epochs 0).")
 
 
 def check_mla_model(model, cfg: FinetuneConfig | None = None) -> None:
@@ -450,7 +477,7 @@ def _trainer_class():
                 self.optimizer = cls(groups, **kwargs)
             return super().create_optimizer(model)
 
-        def _losses(self, model, input_ids, objective, attn_blocks: bool = False):
+        def _losses(self, model, input_ids, objective, attn_blocks: bool = False, tau: float | None = None):
             # The forward goes through `model` as Trainer hands it (DistributedDataParallel under
             # torchrun / accelerate launch: its forward prepares the gradient all-reduce); the final
             # hidden states are taken at the last norm and the loss is chunked over the vocabulary with
@@ -473,7 +500,7 @@ def _trainer_class():
                     t_cap = getattr(t.config, "final_logit_softcapping", None)  # Gemma 2
             head = model.lm_head
             loss, parts = _call_as(head, lambda h: recovery_loss(
-                h, head.weight, input_ids, objective, t_h, t_w, tau=self.cfg.kd_temperature,
+                h, head.weight, input_ids, objective, t_h, t_w, tau=self.cfg.kd_temperature if tau is None else tau,
                 kd_weight=self.cfg.kd_weight, chunk=self.cfg.loss_chunk,
                 softcap=getattr(model.config, "final_logit_softcapping", None), teacher_softcap=t_cap), hidden)
             if self.match is not None and attn_blocks:  # validation: one attention error per block
@@ -496,16 +523,19 @@ def _trainer_class():
             inputs = self._prepare_inputs(inputs)
             ids = inputs["input_ids"]
             objective = "lm" if self.teacher is None else "kd"
+            # The validation KL at temperature 1 whatever the training's: the plain KL to the original's
+            # next-token distribution, comparable across runs and objectives (kd_temperature shapes the loss)
             with torch.no_grad():
                 if self.accelerator.num_processes == 1:
                     # the batch's cross-entropy and KL (blocks of one length: their mean is the blocks' mean),
                     # the attention error per block
-                    parts = self._losses(model, ids, objective, attn_blocks=True)[1]
+                    parts = self._losses(model, ids, objective, attn_blocks=True, tau=1.0)[1]
                     rows = [{**parts, "attn": parts["attn"][i] if "attn" in parts else None} for i in range(len(ids))]
                 else:
                     # Block by block: the distributed sampler fills the last batch with repeated blocks, and
                     # gather_for_metrics drops them only as rows, so a batch mean would count them in part.
-                    rows = [self._losses(model, ids[i:i + 1], objective, attn_blocks=True)[1] for i in range(len(ids))]
+                    rows = [self._losses(model, ids[i:i + 1], objective, attn_blocks=True, tau=1.0)[1]
+                            for i in range(len(ids))]
                     rows = [{**r, "attn": r["attn"][0] if "attn" in r else None} for r in rows]
             # [n, 3]: cross-entropy, KL and attention error per block, every process's blocks counted once, so
             # a run in N processes scores the validation blocks as one does
@@ -617,35 +647,37 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
         raise TransMLAError(f"finetune.{name}={value!r} distils from the original model, but no teacher was given.",
                             "pass the original model as the teacher, or use objective: lm with attn_weight: 0 "
                             "and layerwise_epochs: 0.")
-    needed = -(-cfg.max_tokens // cfg.seqlen)
-    if len(train) < needed:  # Trainer would loop over the blocks there are: more passes than `epochs` says
-        raise TransMLAError(
-            f"The corpora hold {len(train)} training blocks of {cfg.seqlen} tokens ({len(train) * cfg.seqlen} tokens), "
-            f"fewer than finetune.max_tokens={cfg.max_tokens} needs ({needed}).",
-            f"lower finetune.max_tokens to at most {len(train) * cfg.seqlen} (finetune.epochs repeats them), "
-            "or add corpora.")
+    if teacher is not None and (cfg.attn_weight > 0 or cfg.layerwise_epochs > 0):
+        s_n, t_n = len(model.model.layers), len(teacher.model.layers)
+        if s_n != t_n:  # refused before the model is changed for training, not by the phase inside it
+            _layer_mismatch("layers", s_n, t_n)
+    check_training_blocks(len(train), cfg)
     resume = last_checkpoint(work_dir)
     _check_run(work_dir, cfg, model, teacher, resume)
     torch.manual_seed(cfg.seed)
-    unfold_latent_norms(model)
-    counts = select_trainable(model, cfg.mode)
     attn = model.config._attn_implementation
-    use_causal_padded_sdpa(model)  # packed blocks have no padding: the fused causal kernel is exact and faster
-    if teacher is not None:
-        teacher_attn = teacher.config._attn_implementation
-        teacher.to(getattr(torch, cfg.teacher_dtype)).eval().requires_grad_(False)
-        use_causal_padded_sdpa(teacher)
-    # the budget's blocks (the seeded order's first), for both phases and every epoch
-    train = train[: cfg.train_blocks(len(train))]
-    layerwise = _layerwise_phase(model, teacher, train, val, cfg, work_dir, resume)
-    model.train()
-    # A resumed run has its step-0 loss in the restored history.
-    args = training_arguments(cfg, work_dir, eval_on_start=resume is None)
-    trainer = _trainer_class()(model=model, args=args, train_dataset=Blocks(train), eval_dataset=Blocks(val),
-                               data_collator=default_data_collator, callbacks=[*(callbacks or []), _log_last_step_callback()],
-                               cfg=cfg, teacher=teacher)
-    t0 = time.perf_counter()
+    teacher_attn = None if teacher is None else teacher.config._attn_implementation
+    trainer = None
+    # From here the models run the fused causal kernel (packed blocks have no padding: it is exact, faster,
+    # and never builds the stock kernel's [B, h, T, T] scores); the finally puts their kernels back whatever
+    # happens. The model itself stays in its training form (unfolded latent norms) if a step fails.
     try:
+        unfold_latent_norms(model)
+        counts = select_trainable(model, cfg.mode)
+        use_causal_padded_sdpa(model)
+        if teacher is not None:
+            teacher.to(getattr(torch, cfg.teacher_dtype)).eval().requires_grad_(False)
+            use_causal_padded_sdpa(teacher)
+        # the budget's blocks (the seeded order's first), for both phases and every epoch
+        train = train[: cfg.train_blocks(len(train))]
+        layerwise = _layerwise_phase(model, teacher, train, val, cfg, work_dir, resume)
+        model.train()
+        # A resumed run has its step-0 loss in the restored history.
+        args = training_arguments(cfg, work_dir, eval_on_start=resume is None)
+        trainer = _trainer_class()(model=model, args=args, train_dataset=Blocks(train), eval_dataset=Blocks(val),
+                                   data_collator=default_data_collator,
+                                   callbacks=[*(callbacks or []), _log_last_step_callback()], cfg=cfg, teacher=teacher)
+        t0 = time.perf_counter()
         if resume and _step_of(resume) >= cfg.max_steps:
             # Finished before (a restart after the last checkpoint): Trainer would run one step past
             # max_steps, so restore the final weights and history instead of training.
@@ -659,18 +691,22 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
         history = trainer.state.log_history
         evals = [h for h in history if "eval_loss" in h]
         final = trainer.evaluate() if not evals or evals[-1]["step"] != trainer.state.global_step else evals[-1]
-    finally:
         if trainer.match is not None:
+            trainer.match.remove()
+        if cfg.gradient_checkpointing:
+            model.activation_checkpointing_disable()
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        # folded under the fused kernel too: the stock one's scores made the fold, after all the training, the
+        # run's memory peak at long blocks (3 GiB against 0.6 for a tiny model at 4,096 tokens)
+        fold = fold_latent_norms(model, val[: max(1, min(len(val), 16))])
+    finally:
+        if trainer is not None and trainer.match is not None:
             trainer.match.remove()
         model.config._attn_implementation = attn
         if teacher is not None:
             teacher.config._attn_implementation = teacher_attn
-    if cfg.gradient_checkpointing:
-        model.activation_checkpointing_disable()
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    fold = fold_latent_norms(model, val[: max(1, min(len(val), 16))])
     steps_run = trainer.state.global_step - (_step_of(resume) if resume else 0)
     return {
         "config": cfg.model_dump(),
