@@ -45,8 +45,6 @@ from transmla.method.diagnostics import latent_norms
 from transmla.method.mla import norm_identity_scale
 from transmla.runtime.fast_attention import use_causal_padded_sdpa
 from transmla.method.diagnostics import use_recorded_latent_norm_eps
-import contextlib
-
 from transmla.training.distill import AttentionMatch, recovery_loss
 
 SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine"}
