@@ -175,6 +175,14 @@ def test_interrupted_run_resumes_from_last_checkpoint(converted, blocks, trained
         other.model.layers[0].mlp.up_proj.weight.mul_(1.01)  # same shapes, other weights
     with pytest.raises(TransMLAError, match="another run.*model differ"):
         finetune(other, blocks[0], blocks[1], cfg, str(tmp_path))
+    # other blocks (other corpora, split or seed) or another process count: another run too
+    with pytest.raises(TransMLAError, match="another run.*data differ"):
+        finetune(model, blocks[0].flip(0), blocks[1], cfg, str(tmp_path))
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": "2"}), pytest.raises(TransMLAError, match="world_size differ"):
+        finetune(model, blocks[0], blocks[1], cfg, str(tmp_path))
     record = finetune(model, blocks[0], blocks[1], cfg, str(tmp_path))
     assert record["resumed_from"].endswith("checkpoint-8")
     assert record["steps"] == 16 and record["steps_this_run"] == 8
@@ -203,6 +211,16 @@ def test_a_work_dir_that_holds_other_files_keeps_them(converted, blocks, tmp_pat
     finetune_on_corpora(load_model(str(converted))[0], tok, {}, _cfg(max_tokens=2 * 4 * 64, eval_every=1), own,
                         tmp_path / "out2", packed=blocks)
     assert not own.exists()
+
+
+def test_one_process_trains_on_one_gpu_whatever_it_sees(tmp_path, monkeypatch):
+    """With several GPUs visible and no launcher, Trainer would wrap the model in nn.DataParallel (the batch
+    split over replicas, the loss's norm hook seeing one replica's rows): the arguments keep it to one."""
+    from transmla.training.finetune import training_arguments
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # seen by TrainingArguments' device setup
+    args = training_arguments(_cfg(device="cuda"), str(tmp_path))
+    assert args.n_gpu == 1
 
 
 def test_mean_train_loss_weights_each_entry_by_the_steps_it_covers():

@@ -352,7 +352,7 @@ def training_arguments(cfg: FinetuneConfig, output_dir: str, eval_on_start: bool
     from transformers import TrainingArguments
 
     steps = cfg.max_steps
-    return TrainingArguments(
+    args = TrainingArguments(
         output_dir=output_dir,
         per_device_train_batch_size=cfg.batch_size,
         per_device_eval_batch_size=cfg.batch_size,
@@ -383,6 +383,12 @@ def training_arguments(cfg: FinetuneConfig, output_dir: str, eval_on_start: bool
         activation_checkpointing=cfg.gradient_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
     )
+    # One process trains on one device. With several GPUs visible and no launcher Trainer would wrap the model
+    # in nn.DataParallel: the batch split over replicas (tokens_per_step counts one), and the loss's hook on
+    # the final norm seeing one replica's rows against the whole batch's labels. Several GPUs: torchrun.
+    if args.n_gpu > 1:
+        args._n_gpu = 1
+    return args
 
 
 def last_checkpoint(output_dir: str) -> str | None:
@@ -425,17 +431,32 @@ def _moments(p: torch.Tensor, chunk: int = 1 << 20) -> tuple[float, float]:
     return s, q
 
 
-def _check_run(work_dir: str, cfg: FinetuneConfig, model, teacher, resume: str | None) -> None:
+def _blocks_digest(train: torch.Tensor, val: torch.Tensor) -> str:
+    """sha256 of the training and validation blocks (their shapes and token ids, in order)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in (train, val):
+        h.update(repr(tuple(t.shape)).encode())
+        h.update(t.contiguous().to(torch.int64).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _check_run(work_dir: str, cfg: FinetuneConfig, model, teacher, resume: str | None, train: torch.Tensor,
+               val: torch.Tensor) -> None:
     """Record what `work_dir`'s checkpoints are a run of (the config, the student and the teacher) and refuse
     to resume another run's: a checkpoint carries weights, optimizer and schedule, not its settings."""
     import json
 
     run = {"config": cfg.model_dump(mode="json"), "model": _model_fingerprint(model),
-           "teacher": None if teacher is None else _model_fingerprint(teacher)}
+           "teacher": None if teacher is None else _model_fingerprint(teacher),
+           # the blocks (other corpora, split or seed: another run) and the processes (they set the steps)
+           "data": _blocks_digest(train, val), "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
     path = Path(work_dir) / "run.json"
     if resume is not None and path.is_file():
         old = json.loads(path.read_text())
-        diff = [k for k in run if old.get(k) != run[k]]
+        # a key an older run.json lacks is not compared: that run's checkpoints stay resumable
+        diff = [k for k in run if k in old and old[k] != run[k]]
         if diff:
             keys = [k for k in run["config"] if old.get("config", {}).get(k) != run["config"][k]]
             raise TransMLAError(
@@ -651,7 +672,7 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
             _layer_mismatch("layers", s_n, t_n)
     check_training_blocks(len(train), cfg)
     resume = last_checkpoint(work_dir)
-    _check_run(work_dir, cfg, model, teacher, resume)
+    _check_run(work_dir, cfg, model, teacher, resume, train, val)
     torch.manual_seed(cfg.seed)
     attn = model.config._attn_implementation
     teacher_attn = None if teacher is None else teacher.config._attn_implementation
