@@ -822,5 +822,12 @@ def test_epochs_pass_over_the_budgets_blocks_each_once_per_epoch(converted, bloc
     record = finetune(model, blocks[0], blocks[1], cfg, str(tmp_path / "w"))
     assert record["steps"] == 8 and record["tokens_trained"] == 2 * record["distinct_tokens"] == 2 * 16 * 64
     assert seen == Counter({tuple(r): 2 for r in blocks[0][:16].tolist()})
+    # a budget that is not whole steps: the last batch of a pass is partial, and tokens_trained counts the
+    # tokens trained on (it was steps x tokens per step: 768 here against 576)
+    seen.clear()
+    model, _ = load_model(str(converted))
+    model.model.embed_tokens.register_forward_pre_hook(record_rows)
+    record = finetune(model, blocks[0], blocks[1], _cfg(max_tokens=5 * 64, epochs=2, eval_every=8), str(tmp_path / "w5"))
+    assert record["tokens_trained"] == sum(seen.values()) * 64 == 9 * 64
     with pytest.raises(TransMLAError, match="epochs"):
         _cfg(epochs=0)

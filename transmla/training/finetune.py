@@ -374,6 +374,9 @@ def training_arguments(cfg: FinetuneConfig, output_dir: str, eval_on_start: bool
         save_steps=cfg.eval_every,
         save_total_limit=2,
         report_to=[],
+        # Trainer counts the tokens each step really trained on (a partial last batch of a pass included) and
+        # keeps the count in its checkpoints: the record's tokens_trained
+        include_num_input_tokens_seen="all",
         seed=cfg.seed,
         data_seed=cfg.seed,
         dataloader_num_workers=0,
@@ -697,6 +700,7 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
                                    data_collator=default_data_collator,
                                    callbacks=[*(callbacks or []), _log_last_step_callback()], cfg=cfg, teacher=teacher)
         t0 = time.perf_counter()
+        seen_before = _tokens_seen(resume)
         if resume and _step_of(resume) >= cfg.max_steps:
             # Finished before (a restart after the last checkpoint): Trainer would run one step past
             # max_steps, so restore the final weights and history instead of training.
@@ -739,12 +743,13 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
         "val_attn_after": final.get("eval_attn"),
         "train_loss": mean_train_loss(history, _step_of(resume) if resume else 0),
         "steps": trainer.state.global_step,
-        "tokens_trained": trainer.state.global_step * cfg.tokens_per_step,
+        "tokens_trained": trainer.state.num_input_tokens_seen,
         "distinct_tokens": train.numel(),
         "resumed_from": resume,
         "steps_this_run": steps_run,
         "seconds_this_run": round(seconds, 1),
-        "tokens_per_second": round(steps_run * cfg.tokens_per_step / seconds, 1) if seconds > 0 and steps_run else None,
+        "tokens_per_second": (round((trainer.state.num_input_tokens_seen - seen_before) / seconds, 1)
+                              if seconds > 0 and steps_run else None),
         "log_history": history,
         "latent_norms": fold,
         "layerwise": layerwise,
@@ -853,6 +858,15 @@ def is_main_process() -> bool:
     import torch.distributed as dist
 
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _tokens_seen(checkpoint: str | None) -> int:
+    """The training tokens a checkpoint's run had seen (0 without one)."""
+    import json
+
+    if checkpoint is None:
+        return 0
+    return int(json.loads((Path(checkpoint) / "trainer_state.json").read_text()).get("num_input_tokens_seen") or 0)
 
 
 def _step_of(checkpoint: str) -> int:
