@@ -30,3 +30,18 @@ def test_summary_counts_both_flags():
              **prompts.loop_fields(c)} for c in (NUMBER_LIST, PHRASE_LOOP, PROSE)]
     s = prompts.summary(rows)
     assert s["prompt_degenerate"] == 2 and s["prompt_loops"] == 1 and s["prompt_nll"] == 1.0
+
+
+def test_continuations_are_plain_greedy_whatever_the_generation_config_says(tiny_model_dir):
+    """An original ships generation_config.json (a repetition penalty, an n-gram ban) and its export does not:
+    the case study decodes both by plain greedy search, so its rows compare the models, not their files."""
+    from transmla.evaluation.prompts import PROMPTS, greedy_continuations
+    from transmla.io.sources import load_model
+
+    model, tok = load_model(str(tiny_model_dir))
+    plain = greedy_continuations(model, tok, PROMPTS[:2], new_tokens=12)
+    model.generation_config.repetition_penalty = 50.0
+    model.generation_config.no_repeat_ngram_size = 1
+    assert greedy_continuations(model, tok, PROMPTS[:2], new_tokens=12) == plain
+    assert all(len(c) == 12 for c in plain)
+    assert any(len(set(c)) < len(c) for c in plain), "a continuation the ban would have changed"

@@ -46,13 +46,26 @@ def _longest_run(ids: list[int]) -> int:
 
 @torch.no_grad()
 def greedy_continuations(model, tokenizer, prompts=PROMPTS, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    """Token ids of each prompt's greedy continuation (exactly `new_tokens`; EOS does not stop it)."""
+    """Token ids of each prompt's greedy continuation (exactly `new_tokens`; EOS does not stop it).
+
+    Plain greedy search whatever the model's generation_config.json says (a repetition penalty, an n-gram
+    ban, sampling): an original ships that file and its export does not, so the rows would otherwise not be
+    decoded alike; only its EOS ids are read (the tokens min_new_tokens holds back)."""
+    from transformers import GenerationConfig
+
+    # generate() fills every setting its arguments leave unset from model.generation_config: a plain one
+    # in its place for these calls (a GenerationConfig passed to generate() would be filled the same way)
+    own = model.generation_config
+    model.generation_config = GenerationConfig(bos_token_id=own.bos_token_id, eos_token_id=own.eos_token_id)
     out = []
-    for p in prompts:
-        ids = tokenizer(p, return_tensors="pt").input_ids.to(next(model.parameters()).device)
-        gen = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-        out.append(gen[0, ids.shape[1]:].tolist())
+    try:
+        for p in prompts:
+            ids = tokenizer(p, return_tensors="pt").input_ids.to(next(model.parameters()).device)
+            gen = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+            out.append(gen[0, ids.shape[1]:].tolist())
+    finally:
+        model.generation_config = own
     return out
 
 
