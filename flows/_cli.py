@@ -56,7 +56,7 @@ def profile_of(args) -> Profile:
 def check_profile_device(profile: Profile) -> None:
     """The params' device is one this machine has, checked before a flow starts (calibration and conversion
     run on the CPU whatever it says: a missing GPU would otherwise fail only at the first evaluation)."""
-    from transmla.cli import check_device
+    from transmla.devices import check_device
 
     check_device(profile.device, "params device", "set device: cpu in the params or pass -S device=cpu")
 

@@ -22,7 +22,8 @@ from .params import Profile, load_profile
 DVC_YAML = REPO_ROOT / "dvc.yaml"
 STAGE = re.compile(r"^  ([a-z_]+):\s*$")
 FLOW = re.compile(r"-m (flows\.[a-z_]+)")
-DEP = re.compile(r"^(\s+)- (\S+)\s*$")
+DEP = re.compile(r"^(\s+)- (\S+)\s*(# params path:)?\s*$")
+PATH_MARK = "# params path:"  # after a calibration path: part's dep, so a regeneration replaces it like the others
 DATA = "${data}"  # dvc.yaml's var for the shared data folder
 
 
@@ -91,7 +92,7 @@ def regenerate(text: str, profile: Profile | None = None) -> str:
             m = DEP.match(line)
             if m:
                 indent = m.group(1)
-                if m.group(2).split("/")[0] in PROJECT or m.group(2).startswith(DATA + "/"):
+                if m.group(2).split("/")[0] in PROJECT or m.group(2).startswith(DATA + "/") or m.group(3):
                     continue  # regenerated below
                 out.append(line)
                 continue
@@ -104,7 +105,8 @@ def regenerate(text: str, profile: Profile | None = None) -> str:
 
 
 def _generated(stage: str, flows: dict[str, str], indent: str, profile: Profile) -> list[str]:
-    return [f"{indent}- {f}" for f in data_deps(stage, profile) + list(closure(flows[stage])[0])]
+    data = [f if f.startswith(DATA + "/") else f"{f}  {PATH_MARK}" for f in data_deps(stage, profile)]
+    return [f"{indent}- {f}" for f in data + list(closure(flows[stage])[0])]
 
 
 if __name__ == "__main__":

@@ -180,6 +180,13 @@ def test_dvc_stage_data_deps_follow_the_params(tmp_path):
     text = "stages:\n  finetune:\n    cmd: python -m flows.finetune\n    deps:\n      - artifacts/m\n      - ${data}/corpus\n"
     lines = dag.regenerate(text, own).splitlines()
     assert lines[4:6] == ["      - artifacts/m", "      - ${data}/corpus/wiki_demo.jsonl"]  # the old data dep replaced
+    # a path: part's dep is replaced on each regeneration like the others (it was kept as a user's dep and
+    # added again: one more copy each time, and still there once the params no longer named it)
+    text = "stages:\n  calibrate:\n    cmd: python -m flows.calibrate\n    deps:\n      - artifacts/m\n"
+    twice = dag.regenerate(dag.regenerate(text, own), own)
+    assert [ln.split("#")[0].strip() for ln in twice.splitlines()].count("- src/code") == 1
+    assert "src/code" not in dag.regenerate(twice, load_profile())
+    assert "- artifacts/m" in dag.regenerate(twice, load_profile())
 
 
 def test_cli_defaults_are_the_params_defaults():

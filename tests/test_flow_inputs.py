@@ -238,7 +238,7 @@ def test_nightly_params_are_validated_at_load(override, field):
     ({"mlflow.experiment": ""}, ["mlflow.experiment", "at least 1"]),
     ({"device": "cdua"}, ["device", "not a torch device"]),
     ({"calibration.dataset": "wikitext3-train"}, ["calibration.dataset", "Unknown data set 'wikitext3-train'"]),
-    ({"calibration.dataset": "wikitext2-train+path:/no/such/dir"}, ["calibration.dataset", "/no/such/dir"]),
+    ({"calibration.dataset": "c4-demo+wikitext3+path:/no/such/dir"}, ["calibration.dataset", "'wikitext3'"]),
     ({"finetune.corpora": ["c4-demo", "c4"]}, ["finetune.corpora", "Unknown data set 'c4'"]),
     ({"evaluation.ppl_dataset": "wikitext-2"}, ["evaluation.ppl_dataset", "Unknown data set"]),
 ], ids=lambda x: next(iter(x)) if isinstance(x, dict) else None)

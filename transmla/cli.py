@@ -13,6 +13,7 @@ import os
 import sys
 
 from transmla.config import PAPER_TRANSMLA, FINETUNE_CORPORA, FREQFOLDS, METHODS, ConvertOptions, EvaluationOptions, FinetuneConfig
+from transmla.devices import check_device
 from transmla.errors import TransMLAError
 from transmla.io.paths import write_text_atomic
 from transmla.io.sources import DEFAULT_SOURCE, SYNTAX_HELP
@@ -359,23 +360,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default=None, help="directory for results.json and samples/<task>.jsonl")
     e.set_defaults(func=cmd_eval)
     return p
-
-
-def check_device(device: str, setting: str = "--device", pass_cpu: str = "pass --device cpu") -> None:
-    """--device (or the params' `setting`) names a torch device this machine has (checked before any weight
-    is loaded). pass_cpu: how the fix tells to choose the CPU."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise TransMLAError(f"{setting} {device!r} is not a torch device ({str(e).splitlines()[0]}).",
-                            "pass cpu, cuda or cuda:N.") from None
-    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
-        raise TransMLAError(f"{setting} {device}: no such CUDA device here ({torch.cuda.device_count()} visible).",
-                            f"{pass_cpu}, or run on a machine with that GPU.")
-    if dev.type not in ("cpu", "cuda", "mps", "xpu"):
-        raise TransMLAError(f"{setting} {device!r}: the pipeline runs on cpu or cuda.", "pass cpu or cuda.")
 
 
 def main(argv: list[str] | None = None) -> int:

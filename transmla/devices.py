@@ -1,0 +1,22 @@
+"""Which torch device a run may use: checked before any work, by the CLI (--device) and the flows (params)."""
+
+from __future__ import annotations
+
+from transmla.errors import TransMLAError
+
+
+def check_device(device: str, setting: str = "--device", pass_cpu: str = "pass --device cpu") -> None:
+    """--device (or the params' `setting`) names a torch device this machine has (checked before any weight
+    is loaded). pass_cpu: how the fix tells to choose the CPU."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise TransMLAError(f"{setting} {device!r} is not a torch device ({str(e).splitlines()[0]}).",
+                            "pass cpu, cuda or cuda:N.") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise TransMLAError(f"{setting} {device}: no such CUDA device here ({torch.cuda.device_count()} visible).",
+                            f"{pass_cpu}, or run on a machine with that GPU.")
+    if dev.type not in ("cpu", "cuda", "mps", "xpu"):
+        raise TransMLAError(f"{setting} {device!r}: the pipeline runs on cpu or cuda.", "pass cpu or cuda.")
