@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import sys
 from pathlib import Path
 
 from prefect import task
@@ -28,13 +29,27 @@ def resolve_model(source: str) -> dict:
     """{"path", "sha256", "tokenizer_sha256", "source"} of a model source (GGUF sources materialise once)."""
     src = parse_source(source)
     check_source(src)  # an architecture the converter cannot handle: refused before any weight is fetched
-    if src.kind == "hf":  # hub id: keep one local copy so the content can be hashed
-        from transmla.io.sources import fetch_model
+    if src.kind == "hf":  # hub id: one local copy per commit, so the content can be hashed
+        from transmla.io.paths import write_text_atomic
+        from transmla.io.sources import fetch_model, hub_commit
 
-        local = STORE / "models" / src.slug
+        # A branch or tag (main by default) moves: the copy is kept per commit, so a new commit is fetched
+        # and gets new keys downstream. Without the hub, the commit this source resolved to last time.
+        last = STORE / "models" / f"{src.slug}.commit"
+        try:
+            sha = hub_commit(src)
+        except TransMLAError as e:
+            if not last.is_file():
+                raise
+            sha = last.read_text().strip()
+            print(f"[transmla] warning: {e.problem} Using {src.location}@{sha[:12]}, the commit fetched last.",
+                  file=sys.stderr)
+        pinned = parse_source(f"hf:{src.location}@{sha}")
+        local = STORE / "models" / pinned.slug
         if not (local / "config.json").is_file():
-            fetch_model(source, local)
-        return model_ref(local, content_hash(local), source=source)
+            fetch_model(pinned.text, local)
+        write_text_atomic(last, sha + "\n")
+        return model_ref(local, content_hash(local), source=pinned.text)
     info = source_info(src)
     return model_ref(info["path"], info.get("content_hash") or content_hash(info["path"]), source=source)
 

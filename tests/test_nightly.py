@@ -445,3 +445,25 @@ def test_a_config_transformers_refuses_is_a_refusal_not_an_unresolved_lookup(hub
     for name in ("badrope", "badheads"):
         r = got[f"hf:org/{name}"]
         assert r.unresolved is None and "config.json does not load in transformers" in r.refused, r
+
+
+def test_an_unpinned_hub_source_follows_its_branch(hub, make_model, capsys):
+    """A pipeline model `hf:ORG/NAME` is fetched at the commit its branch points at now: a new commit is a
+    new local copy with new keys (the first copy was kept for good); without the hub, the commit fetched last."""
+    from tasks.model import resolve_model
+
+    first = hub.publish("acme/tiny", make_model("t1", seed=1))
+    a = resolve_model.fn("hf:acme/tiny")
+    assert resolve_model.fn("hf:acme/tiny")["path"] == a["path"] and hub.snapshots == [("acme/tiny", first)]
+    second = hub.publish("acme/tiny", make_model("t2", seed=2))
+    b = resolve_model.fn("hf:acme/tiny")
+    assert hub.snapshots[-1] == ("acme/tiny", second) and b["path"] != a["path"] and b["sha256"] != a["sha256"]
+    assert b["source"] == f"hf:acme/tiny@{second}"
+
+    def unreachable(*a, **k):
+        raise ConnectionError("no route to the hub")
+
+    hub.model_info = unreachable
+    c = resolve_model.fn("hf:acme/tiny")
+    assert (c["path"], c["sha256"]) == (b["path"], b["sha256"]) and len(hub.snapshots) == 2
+    assert f"acme/tiny@{second[:12]}, the commit fetched last" in capsys.readouterr().err

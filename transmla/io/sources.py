@@ -762,6 +762,19 @@ HUB_FILES = ["*.safetensors", "*.safetensors.index.json", "config.json", "genera
              "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.model", "added_tokens.json"]
 
 
+def hub_commit(src: ModelSource) -> str:
+    """The commit a hub source points at now: its @REVISION where that is a commit, else the hub's answer
+    for the branch or tag (main by default), which moves with every push. One error naming the fix."""
+    from huggingface_hub import HfApi
+
+    if src.revision and re.fullmatch(r"[0-9a-f]{40}", src.revision):
+        return src.revision
+    try:
+        return HfApi().model_info(src.location, revision=src.revision).sha
+    except Exception as e:  # noqa: BLE001  (offline, unreachable, missing, gated)
+        raise _hub_error(src, *_hub_failure(e)) from e
+
+
 def _hub_snapshot(src: ModelSource, out: Path) -> str:
     """Download one revision of a hub repo (safetensors only) into `out`; returns its commit sha."""
     from huggingface_hub import HfApi
