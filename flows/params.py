@@ -397,8 +397,10 @@ def _override(raw: dict, dotted: str, value) -> None:
 
 
 def load_profile(path: str | os.PathLike | None = None, overrides: dict | None = None) -> Profile:
-    """Read and validate a profile; one clear error naming the field on bad input."""
-    p = Path(path or os.environ.get("TRANSMLA_PARAMS", DEFAULT_PARAMS))
+    """Read and validate a profile (default params/default.yaml, the file dvc.yaml's stages read: no environment
+    variable picks another, so every caller sees the profile the stages run); one clear error naming the field
+    on bad input."""
+    p = Path(path or DEFAULT_PARAMS)
     if not p.is_file():
         raise TransMLAError(f"Params file {p} not found.", "pass --params params/default.yaml (or params/paper.yaml).")
     try:

@@ -73,7 +73,7 @@ if [ "$NEED_SERVER" = 1 ]; then
   "$BIN/python" - <<'EOF_FETCH' >&2 || echo "repro: a model could not be fetched; its first stage will say why" >&2
 from flows.params import load_profile
 from transmla.io.sources import parse_source, source_info
-profile = load_profile(None)  # $TRANSMLA_PARAMS or params/default.yaml
+profile = load_profile(None)  # params/default.yaml, as the stages
 for name in profile.pipeline.models:
     src = parse_source(profile.model(name).source)
     if src.kind in ("catalog", "pypi-gguf", "gguf"):

@@ -318,3 +318,12 @@ def test_entry_runs_a_flow_with_and_without_model(tmp_path, flags):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["ran", "Profile", *flags[1:]]
+
+
+def test_the_default_profile_is_the_file_the_stages_read(monkeypatch):
+    """No environment variable picks another profile: the flows' --params default, the model pre-fetch of
+    `make repro` and flows.dag all read params/default.yaml, as dvc.yaml's stages do."""
+    from flows.params import load_profile
+
+    monkeypatch.setenv("TRANSMLA_PARAMS", str(REPO / "params" / "paper.yaml"))
+    assert load_profile(None) == load_profile(DEFAULT)
