@@ -327,3 +327,15 @@ def test_the_default_profile_is_the_file_the_stages_read(monkeypatch):
 
     monkeypatch.setenv("TRANSMLA_PARAMS", str(REPO / "params" / "paper.yaml"))
     assert load_profile(None) == load_profile(DEFAULT)
+
+
+def test_a_distributed_rank_loads_onto_its_own_gpu(monkeypatch):
+    """Under torchrun / accelerate launch every rank read `--device cuda` as GPU 0 and loaded its student and
+    teacher there; a bare cuda is the rank's own GPU now, any other device as given."""
+    from transmla.devices import rank_device
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert rank_device("cuda") == "cuda" and rank_device("cpu") == "cpu"
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert rank_device("cuda") == "cuda:3"
+    assert rank_device("cuda:1") == "cuda:1" and rank_device("cpu") == "cpu"

@@ -13,7 +13,7 @@ import os
 import sys
 
 from transmla.config import PAPER_TRANSMLA, FINETUNE_CORPORA, FREQFOLDS, METHODS, ConvertOptions, EvaluationOptions, FinetuneConfig
-from transmla.devices import check_device
+from transmla.devices import check_device, rank_device
 from transmla.errors import TransMLAError
 from transmla.io.paths import write_text_atomic
 from transmla.io.sources import DEFAULT_SOURCE, SYNTAX_HELP
@@ -221,10 +221,11 @@ def cmd_finetune(args) -> dict:
     packed = pack_corpus(load_tokenizer(args.model, args.cache_dir), docs, cfg.seqlen, cfg.val_tokens, cfg.seed,
                          setting=flag)
     check_training_blocks(len(packed[0]), cfg, setting=flag)
-    model, tok = load_model(args.model, dtype="float32", device=args.device, cache=args.cache_dir)
+    device = rank_device(args.device)  # one process of a distributed launch: its own GPU
+    model, tok = load_model(args.model, dtype="float32", device=device, cache=args.cache_dir)
     teacher = None  # with --objective lm a teacher only scores: the validation KL, for comparing objectives
     if args.teacher:
-        teacher = load_model(args.teacher, dtype=cfg.teacher_dtype, device=args.device, cache=args.cache_dir)[0]
+        teacher = load_model(args.teacher, dtype=cfg.teacher_dtype, device=device, cache=args.cache_dir)[0]
     with contextlib.redirect_stdout(sys.stderr):  # Trainer prints its logs; stdout stays the result's JSON
         record = finetune_on_corpora(model, tok, docs, cfg, work, out, teacher=teacher, packed=packed)
     keys = ("objective", "val_loss_before", "val_loss_after", "val_kd_before", "val_kd_after", "val_attn_before",

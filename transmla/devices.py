@@ -20,3 +20,13 @@ def check_device(device: str, setting: str = "--device", pass_cpu: str = "pass -
                             f"{pass_cpu}, or run on a machine with that GPU.")
     if dev.type not in ("cpu", "cuda", "mps", "xpu"):
         raise TransMLAError(f"{setting} {device!r}: the pipeline runs on cpu or cuda.", "pass cpu or cuda.")
+
+
+def rank_device(device: str) -> str:
+    """The device one process of a distributed launch (torchrun / accelerate launch: LOCAL_RANK set) loads onto:
+    a bare `cuda` is that rank's GPU, so N ranks do not all load their models onto GPU 0 first."""
+    import os
+
+    if device == "cuda" and os.environ.get("LOCAL_RANK", "").isdigit():
+        return f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    return device

@@ -699,6 +699,8 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
         trainer = _trainer_class()(model=model, args=args, train_dataset=Blocks(train), eval_dataset=Blocks(val),
                                    data_collator=default_data_collator,
                                    callbacks=[*(callbacks or []), _log_last_step_callback()], cfg=cfg, teacher=teacher)
+        if teacher is not None and next(teacher.parameters()).device != args.device:
+            teacher.to(args.device)  # Trainer moves the student to this process's device; the teacher goes with it
         t0 = time.perf_counter()
         seen_before = _tokens_seen(resume)
         if resume and _step_of(resume) >= cfg.max_steps:
