@@ -139,19 +139,19 @@ def calibration_windows(tok, o: ConvertOptions, data_dir=None) -> torch.Tensor:
 
 
 def precheck(source: str, out: str | Path | None, o: ConvertOptions, cache=None, data_dir=None,
-             weights: bool = True) -> dict:
+             weights: bool = True) -> Path | None:
     """What a conversion refuses before any work, shared by the run and the dry run: calibration data
     (unknown set, missing file or path), an `out` the export could not write, a local model folder that
     cannot load (no safetensors weights, unreadable tokenizer; weights=False: the dry run, which plans a
     folder holding only config.json), an unsupported architecture and impossible ranks (from the config,
-    before any weight is read, downloaded or dequantised). -> the source's config."""
+    before any weight is read, downloaded or dequantised). -> `out`, resolved (None without one)."""
     from transmla.io.data import check_calibration_files
     from transmla.io.paths import check_output
     from transmla.io.sources import check_model_dir, check_source, parse_source
 
     check_calibration_files(o.cal_dataset, data_dir)
     if out is not None:
-        check_output(out)
+        out = check_output(out)
     src = parse_source(source)
     cfg = check_source(src, cache)  # the architecture first: a folder of an unsupported one is refused as such
     spec = config_spec(cfg)
@@ -160,19 +160,17 @@ def precheck(source: str, out: str | Path | None, o: ConvertOptions, cache=None,
     warn_past_positions(cfg, o.cal_seqlen, "cal_seqlen")
     if src.kind == "dir" and weights:
         check_model_dir(Path(src.location))
-    return cfg
+    return out
 
 
 def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_dir=None, progress=True) -> dict:
     """Load `source`, calibrate, convert, export to `out`. Returns the conversion record plus timings
     (the timings stay out of the checkpoint, so identical conversions give identical checkpoints)."""
     from transmla.io.export import write_checkpoint
-    from transmla.io.paths import check_output
     from transmla.io.sources import load_model, source_info
 
     t0 = time.perf_counter()
-    precheck(source, out, o, cache, data_dir)
-    out = check_output(out)
+    out = precheck(source, out, o, cache, data_dir)
     info = source_info(source, cache)
     if o.load == "layers":
         return convert_layer_streamed(source, out, o, info, t0, cache, data_dir, progress)

@@ -88,14 +88,11 @@ def judge_config(cfg: dict, max_params: float | None, params: int | None = None)
     # fail every night again.
     try:
         check_config(cfg)
+        if not cfg.get("num_attention_heads"):  # check_config refuses heads that do not group; none: no attention
+            return "not grouped-query attention (no attention heads in config.json)"
+        n = params or params_of_config(cfg)
     except TransMLAError as e:
         return e.problem
-    except Exception as e:  # noqa: BLE001
-        return f"config.json does not load in transformers ({one_line(e)})"
-    if not cfg.get("num_attention_heads"):  # check_config refuses heads that do not group; no heads: no attention
-        return "not grouped-query attention (no attention heads in config.json)"
-    try:
-        n = params or params_of_config(cfg)
     except Exception as e:  # noqa: BLE001
         return f"config.json does not load in transformers ({one_line(e)})"
     if max_params and n and n > max_params:
