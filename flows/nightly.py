@@ -95,7 +95,8 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
     # the report is written last: a path it cannot take is refused now, not after the night's conversions
     check_output(night.report, "file", "nightly.report")
     log = get_run_logger()
-    root = Path(out_root) if out_root else layout.ARTIFACTS / "nightly"
+    # absolute: the ledger names each checkpoint, and a later night may run from another directory
+    root = (Path(out_root) if out_root else layout.ARTIFACTS / "nightly").resolve()
     seen = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     records = []
     for entry in night.watch:
@@ -141,8 +142,15 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                         log.error(f"{rel['source']} {method} {budget}: failed: {one_line(e)}")
                         records.append({**rec, "status": "failed", "reason": one_line(e)})
                         continue
-                    write_text_atomic(entry_file, json.dumps({**done, "release_id": rel["release_id"],
-                                                              "converted": seen}, indent=2))
+                    try:  # a ledger that cannot be written fails this variant, not the night (nor its report)
+                        write_text_atomic(entry_file, json.dumps({**done, "release_id": rel["release_id"],
+                                                                  "converted": seen}, indent=2))
+                    except OSError as e:
+                        reason = (f"converted to {done['checkpoint']}, but its ledger entry could not be written "
+                                  f"({one_line(e)}): the next night converts it again")
+                        log.error(f"{rel['source']} {method} {budget}: {reason}")
+                        records.append({**rec, **done, "status": "failed", "reason": reason})
+                        continue
                     log.info(f"{rel['source']} {method} {budget}: converted -> {done['checkpoint']}, ppl {done['ppl']:.2f}")
                     records.append({**rec, "status": "converted", **done})
     report = Path(night.report)  # relative: to the working directory, as artifacts/ and reports/ are

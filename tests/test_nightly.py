@@ -363,6 +363,29 @@ def test_failed_release_setup_fails_its_remaining_variants_once(tmp_path, make_m
     assert all("disk full" in r["reason"] for r in records)
 
 
+def test_ledger_names_absolute_checkpoints_and_its_write_failure_fails_one_variant(tmp_path, make_model, monkeypatch,
+                                                                                  fast_variants):
+    """The ledger's checkpoint paths hold from any working directory; a ledger that cannot be written fails
+    that variant (the next night converts it again) while the night goes on and writes its report."""
+    import flows.nightly as N
+
+    monkeypatch.chdir(tmp_path)
+    a, b = make_model("a", seed=1), make_model("b", seed=2)
+    (rec,) = N.nightly(_profile(tmp_path, [str(a)]))
+    assert rec["status"] == "converted" and Path(rec["checkpoint"]).is_absolute()
+    assert json.loads((N.LEDGER / f"{rec['key']}.json").read_text())["checkpoint"] == rec["checkpoint"]
+    assert Path(rec["checkpoint"], "config.json").is_file()
+
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the ledger's folder should be")
+    monkeypatch.setattr(N, "LEDGER", blocker / "nightly")
+    records = N.nightly(_profile(tmp_path, [str(a), str(b)], budgets=[0.25, 0.5]))
+    assert [r["status"] for r in records] == ["failed"] * 4, "each variant converted, none recorded"
+    assert all("ledger entry could not be written" in r["reason"] and r["checkpoint"] in r["reason"] for r in records)
+    assert len(fast_variants["converted"]) == 1 + 4, "the night went on past the first failed write"
+    assert "4 failed" in (tmp_path / "nightly.md").read_text()
+
+
 def test_unreachable_index_is_unresolved_and_fails_the_night(tmp_path, monkeypatch, capsys):
     """An index that cannot be reached is not the converter's refusal: the release is unresolved, and the
     night exits 1 (a refusal alone does not)."""
