@@ -23,7 +23,7 @@ ARGS = ["--corpora", "wikitext2-train", "--max-tokens", "4096", "--seqlen", "64"
 
 @pytest.fixture(scope="module")
 def tiny_mla(tmp_path_factory, tiny_tokenizer):
-    from tests.conftest import _tiny_model
+    from conftest import _tiny_model
 
     d = tmp_path_factory.mktemp("ddp")
     _tiny_model("llama", len(tiny_tokenizer)).save_pretrained(d / "src")

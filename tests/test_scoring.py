@@ -73,3 +73,47 @@ def test_masked_padded_sdpa_equals_stock_sdpa(heads):
     out, _ = masked_padded_sdpa(mod, q, k, v, mask, scaling=0.3)
     assert out.shape == ref.shape == (2, 9, h, 8)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma2_dir(tmp_path_factory, tiny_tokenizer):
+    """A tiny Gemma 2: eager attention (its soft-capped scores), final logit soft-capping and a sliding window,
+    each set so that it changes the log-likelihoods."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                       sliding_window=32, final_logit_softcapping=0.5, attn_logit_softcapping=1.0,
+                       query_pre_attn_scalar=16, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # scores and logits large enough for both caps to bite
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    out = tmp_path_factory.mktemp("gemma2")
+    model.save_pretrained(out)
+    tiny_tokenizer.save_pretrained(out)
+    return out
+
+
+def test_shared_context_matches_lm_eval_on_eager_softcapped_sliding_gemma2(tiny_gemma2_dir):
+    """Eager attention adds its mask to the scores (a bool mask would add 0/1), the head's output is
+    soft-capped, and a pack longer than the sliding window would see past it: each must match lm-eval."""
+    from lm_eval.models.huggingface import HFLM
+
+    from transmla.evaluation.scoring import SharedContextLM, pack_limit
+
+    ref_lm = HFLM(pretrained=str(tiny_gemma2_dir), batch_size=4, max_length=64, device="cpu")
+    assert ref_lm.model.config._attn_implementation == "eager"
+    reqs = _requests(ref_lm)
+    ref = ref_lm._loglikelihood_tokens(reqs, disable_tqdm=True)
+    lm = SharedContextLM(pretrained=str(tiny_gemma2_dir), batch_size=3, max_length=64, device="cpu")
+    assert pack_limit(lm.model, 64) == 32
+    packed = [r for r in reqs if len(r[1]) + len(r[2]) <= 32]
+    assert len(packed) >= 3 and any(len(c) > 1 and len(x) > 1 for _, c, x in packed), "the packed path runs"
+    new = lm._loglikelihood_tokens(reqs, disable_tqdm=True)
+    for (a, ga), (b, gb) in zip(ref, new):
+        assert b == pytest.approx(a, abs=1e-4)
+        assert ga == gb

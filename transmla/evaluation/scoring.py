@@ -55,6 +55,28 @@ def use_masked_padded_sdpa(model):
     return model
 
 
+def additive_mask(att: torch.Tensor, model) -> torch.Tensor:
+    """The packed bool mask as the attention implementation reads it: SDPA takes a bool mask (True = attend);
+    eager attention (Gemma 2's soft-capped layers) adds the mask to the scores, so it gets 0 / dtype-min."""
+    if getattr(model.config, "_attn_implementation", None) in ("sdpa", MASKED_PADDED_SDPA):
+        return att
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(att.shape, dtype=dtype).masked_fill(~att, torch.finfo(dtype).min)
+
+
+def pack_limit(model, max_length: int) -> int:
+    """The longest packed sequence: a custom 4D mask replaces the model's own, so on a sliding-window model
+    (Mistral, Gemma 2/3) a pack must fit in the window for every layer to see what the model would."""
+    cfg = model.config.get_text_config()
+    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+    return min(max_length, window) if window else max_length
+
+
+def softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Final logit soft-capping (Gemma 2/3's config.final_logit_softcapping): what the model's head applies."""
+    return logits if not cap else cap * torch.tanh(logits / cap)
+
+
 def pack(ctx: list[int], conts: list[list[int]]) -> tuple[list[int], list[int], torch.Tensor, list[tuple[list[int], list[int]]]]:
     """One packed sequence: (tokens, positions, attention [T, T] bool, per choice (positions whose
     output predicts its tokens, the tokens))."""
@@ -88,14 +110,15 @@ class SharedContextLM(HFLM):
         for i, (_, ctx, cont) in enumerate(requests):
             groups.setdefault(tuple(ctx), []).append(i)
         packs, alone = [], []  # packs: (context, [request indices])
+        limit = pack_limit(self.model, self.max_length)
         for ctx, idx in groups.items():
             cur, size = [], len(ctx)
             for i in idx:
                 L = len(requests[i][2])
-                if len(ctx) + L > self.max_length:
+                if len(ctx) + L > limit:
                     alone.append(i)
                     continue
-                if cur and size + L > self.max_length:
+                if cur and size + L > limit:
                     packs.append((list(ctx), cur))
                     cur, size = [], len(ctx)
                 cur.append(i)
@@ -123,7 +146,8 @@ class SharedContextLM(HFLM):
                 att[b, 0, :n, :n] = a
             with torch.no_grad():
                 h = self.model.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
-                                     attention_mask=att.to(self.device), use_cache=False).last_hidden_state
+                                     attention_mask=additive_mask(att, self.model).to(self.device),
+                                     use_cache=False).last_hidden_state
                 choices = [(i, b, where, cont) for b, (_, idx) in enumerate(packs[s : s + bs])
                            for i, (where, cont) in zip(idx, batch[b][3])]
                 for i, ll, greedy in self._score_choices(h, head, choices):
@@ -143,9 +167,10 @@ class SharedContextLM(HFLM):
         t_idx = torch.tensor([t for _, _, where, _ in choices for t in where], device=h.device)
         tgt = torch.tensor([t for _, _, _, cont in choices for t in cont], device=h.device)
         sel = h[b_idx, t_idx]  # [P, D]
+        cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
         tok_lp, hit = [], []
         for a in range(0, len(tgt), rows):
-            logp = F.log_softmax(head(sel[a : a + rows]).to(self.softmax_dtype), -1)  # [rows, V]
+            logp = F.log_softmax(softcapped(head(sel[a : a + rows]), cap).to(self.softmax_dtype), -1)  # [rows, V]
             tok_lp.append(logp.gather(1, tgt[a : a + rows, None])[:, 0])
             hit.append(logp.argmax(-1) == tgt[a : a + rows])
         lens = [len(cont) for *_, cont in choices]
