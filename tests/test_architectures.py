@@ -54,6 +54,10 @@ def _config_only_dir(tmp_path, cfg: dict):
     ({"model_type": "gemma"}, "embedding scaling"),
     ({"model_type": "qwen2_moe"}, "shared expert"),
     ({"model_type": "mixtral", "sliding_window": 4096, "rope_theta": 1e4}, "Sliding-window"),
+    ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 1,
+      "num_hidden_layers": 2, "rope_theta": 1e6}, "Sliding-window"),
+    ({"model_type": "llama", "rope_theta": 1e4, "mlp_bias": True}, "MLP biases"),
+    ({"model_type": "gemma3_text", "attention_bias": True}, "attention biases"),
     ({"model_type": "gpt2"}, "handles gemma2, gemma3_text, llama, mistral, mixtral, qwen2, qwen3"),
     ({"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn'"),
     ({"model_type": "llama", "rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_theta": 1e4}, "'dynamic'"),
@@ -98,6 +102,13 @@ def test_gguf_header_names_the_architecture_without_dequantising(tmp_path, monke
     # llama.cpp files Mixtral as "llama" with experts: still recognised as MoE
     _write_gguf(tmp_path / "m.gguf", "llama", expert_count=8)
     assert config_from_metadata(read_metadata(tmp_path / "m.gguf"))["model_type"] == "mixtral"
+    # ... which transformers' GGUF loader cannot build (no expert mapping for "llama"): refused from the header
+    from transmla.io.releases import judge_gguf
+
+    with pytest.raises(TransMLAError, match="maps no experts .* has 8 .*uninitialised"):
+        convert(f"gguf:{tmp_path / 'm.gguf'}", tmp_path / "out", ConvertOptions(**CAL), progress=False)
+    assert "maps no experts" in judge_gguf(str(tmp_path / "m.gguf"), None)[1]
+    assert not (tmp_path / "out").exists()
 
 
 def test_gguf_header_read_across_split_parts(tmp_path):
@@ -125,7 +136,9 @@ def test_unsupported_catalog_model_is_refused_without_download(tmp_path, monkeyp
     assert not (tmp_path / "out").exists() and not (tmp_path / "models").exists()
     r = subprocess.run([sys.executable, "-m", "transmla.cli", "convert", "--model", "gpt2-nope/x", "--out",
                         str(tmp_path / "out2"), "--cache-dir", str(tmp_path)], capture_output=True, text=True)
-    assert r.returncode != 0 and not (tmp_path / "out2").exists()
+    told = [line for line in r.stderr.splitlines() if line.startswith("transmla:")]
+    assert r.returncode == 2 and len(told) == 1 and "'gpt2-nope/x'" in told[0] and "Fix:" in told[0], r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "out2").exists()
 
 
 # --- RoPE scaling carried exactly ----------------------------------------------------------------
@@ -185,8 +198,27 @@ def test_check_config_accepts_what_it_should():
     for cfg in ({"model_type": "llama", "rope_theta": 1e4},
                 {"model_type": "qwen2", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
                 {"model_type": "llama", "rope_parameters": dict(LLAMA3)},
-                {"model_type": "mistral", "rope_theta": 1e4, "sliding_window": None}):
+                {"model_type": "mistral", "rope_theta": 1e4, "sliding_window": None},
+                # the window switched on, but from a layer past the last: no layer slides
+                {"model_type": "qwen2", "rope_theta": 1e6, "sliding_window": 4096, "use_sliding_window": True,
+                 "max_window_layers": 2, "num_hidden_layers": 2}):
         check_config(cfg)
+
+
+def test_qwen2_window_switched_on_for_no_layer_converts_losslessly(tmp_path, tiny_tokenizer):
+    """use_sliding_window with max_window_layers = the depth: transformers slides no layer, so the model is
+    plain full attention and converts exactly (prompts longer than the window)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=1e6,
+                      use_sliding_window=True, sliding_window=8, max_window_layers=2, bos_token_id=0, eos_token_id=0)
+    assert cfg.sliding_window == 8 and "sliding_attention" not in cfg.layer_types
+    src = tmp_path / "src"
+    Qwen2ForCausalLM(cfg).eval().save_pretrained(src)
+    tiny_tokenizer.save_pretrained(src)
+    _check_lossless(src, tmp_path / "mla", "DeepseekV3ForCausalLM", len(tiny_tokenizer), 0, 40, 8)
 
 
 def test_scaled_export_keeps_the_scaling_and_is_refused_by_the_vllm_check(tmp_path, tiny_tokenizer):

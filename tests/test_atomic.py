@@ -53,12 +53,9 @@ def test_concurrent_dir_writers(tmp_path):
 
 def test_failed_write_leaves_nothing(tmp_path):
     target = tmp_path / "x.json"
-    try:
-        with atomic_file(target) as tmp:
-            tmp.write_text("half")
-            raise RuntimeError("interrupted")
-    except RuntimeError:
-        pass
+    with pytest.raises(RuntimeError, match="interrupted"), atomic_file(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("interrupted")
     assert not target.exists() and os.listdir(tmp_path) == []
 
 

@@ -21,7 +21,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = 32  # enough per-layer tasks that the signal lands while they run
 STARTUP_LIMIT_S = 300  # imports + the flow's temporary Prefect server (8-20 s) + calibration, on 2 busy cores
-STOP_LIMIT_S = 20  # from the signal to the exit
+STOP_LIMIT_S = 120  # a hang guard from the signal to the exit (no timing claim: a clean stop takes seconds)
 
 
 @pytest.fixture

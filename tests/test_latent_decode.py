@@ -72,7 +72,12 @@ def test_triton_kernel_in_the_interpreter():
     import sys
     from pathlib import Path
 
-    pytest.importorskip("triton")
+    import platform
+
+    if platform.system() == "Linux" and platform.machine() == "x86_64":
+        import triton  # noqa: F401  (the test extra installs it here: missing is a broken install, not a skip)
+    else:
+        pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", _INTERPRETED, str(root)], capture_output=True, text=True, cwd=root, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

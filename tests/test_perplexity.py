@@ -32,7 +32,13 @@ def test_wikitext_joins_rows_with_blank_lines(tiny_model_dir):
     model, tok = load_model(str(tiny_model_dir))
     res = wikitext2_perplexity(model, tok, seqlen=64, max_tokens=256, progress=False)
     assert res["windows"] == 4 and math.isfinite(res["ppl"])
-    assert res["corpus_tokens"] == tokenize_corpus(tok, ["a", "b"]).numel() or res["corpus_tokens"] > 10_000
+    # rows joined by a blank line (what the GPTQ/paper protocol reads), read back through the tokenizer
+    assert tok.decode(tokenize_corpus(tok, ["a b", "c"]), skip_special_tokens=True) == "a b\n\nc"
+    from transmla.io.data import load_texts
+
+    texts = load_texts("wikitext2-test")
+    assert len(texts) == 4358  # the test split's rows, empty ones included
+    assert res["corpus_tokens"] == len(tok("\n\n".join(texts)).input_ids), "the whole split, tokenized once"
 
 
 def test_windows_past_the_models_positions_are_warned_not_refused(tiny_model_dir, recwarn):

@@ -425,6 +425,7 @@ def test_cli_fetch_model_without_weights_exits_2_and_writes_nothing(tiny_model_d
 def test_mistyped_relative_folder_offline_is_one_clear_error(tmp_path, monkeypatch, call):
     """'mymodels/smollm' (no such folder here) reads as a hub id too: with HF_HUB_OFFLINE set, one error
     that names both readings, at once (no retries) and before anything is written."""
+    import socket
     import time
 
     from huggingface_hub import constants
@@ -435,10 +436,17 @@ def test_mistyped_relative_folder_offline_is_one_clear_error(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mymodels").mkdir()
     args = ("mymodels/smollm", tmp_path / "out") if call == "fetch_model" else ("mymodels/smollm",)
-    t0 = time.perf_counter()
+    connects, sleeps = [], []
+
+    def connect(sock, address):
+        connects.append(address)
+        raise OSError("this test has no network")
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(time, "sleep", sleeps.append)
     with pytest.raises(TransMLAError, match="'mymodels/smollm' is neither an existing local directory") as e:
         getattr(sources, call)(*args)
-    assert time.perf_counter() - t0 < 10
+    assert connects == [] and sleeps == [], "offline: no connection tried, no retry waited for"
     problem, fix = str(e.value).split("Fix:")
     assert "nor a loadable hub id" in problem and "HF_HUB_OFFLINE is set" in problem
     assert "./mymodels/smollm" in fix and "if it is a hub id" in fix and "unset HF_HUB_OFFLINE" in fix
@@ -504,9 +512,10 @@ def test_rewritten_local_gguf_is_converted_again(tmp_path, monkeypatch):
     assert (again / "config.json").stat().st_mtime_ns == stamp, "an unchanged file is a cache hit"
 
 
-def _permuted_llama_gguf(path: Path, write_kv: bool):
+def _permuted_llama_gguf(path: Path, write_kv: bool, drop: tuple = (), extra=None):
     """A tiny Llama written as llama.cpp's convert_hf_to_gguf writes it (Q/K rows permuted, head_count_kv
-    only when the HF config had num_key_value_heads), with a GGUF tokenizer; returns the HF model."""
+    only when the HF config had num_key_value_heads), with a GGUF tokenizer; returns the HF model.
+    drop: tensor names left out; extra(writer): more keys / tensors."""
     import gguf
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -538,7 +547,11 @@ def _permuted_llama_gguf(path: Path, write_kv: bool):
     w.add_token_types([2, 3, 3] + [1] * (vocab - 3))
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if extra is not None:
+        extra(w)
     sd = {k: v.detach().numpy() for k, v in m.state_dict().items()}
+    add = w.add_tensor
+    w.add_tensor = lambda name, t: None if name in drop else add(name, t)
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     w.add_tensor("output.weight", sd["lm_head.weight"])
@@ -577,6 +590,49 @@ def test_gguf_without_head_count_kv_loads_unpermuted(tmp_path, write_kv):
         assert torch.equal(got.model.layers[0].self_attn.q_proj.weight, ref.model.layers[0].self_attn.q_proj.weight)
         assert torch.equal(got.model.layers[1].self_attn.k_proj.weight, ref.model.layers[1].self_attn.k_proj.weight)
         assert (got(ids).logits - ref(ids).logits).abs().max().item() < 1e-5
+
+
+def test_gguf_tensor_the_loader_misses_is_refused_not_initialised(tmp_path):
+    """transformers only logs a weight the GGUF did not provide and initialises it at random: the model is
+    refused, naming the weight, and nothing is written."""
+    from transmla.io.sources import _save_gguf_as_hf
+
+    path = tmp_path / "tiny.gguf"
+    _permuted_llama_gguf(path, True, drop=("blk.1.ffn_down.weight",))
+    with pytest.raises(TransMLAError, match=r"no tensor for 1 .*model\.layers\.1\.mlp\.down_proj\.weight") as e:
+        _save_gguf_as_hf(path, tmp_path / "hf")
+    assert "safetensors release" in str(e.value) and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("scaling", ["linear", "rope_freqs"])
+def test_gguf_rope_scaling_the_loader_drops_is_refused(tmp_path, scaling):
+    """transformers' GGUF loader rebuilds no RoPE scaling for these families (linear, or Llama-3.1-style
+    factors in rope_freqs.weight), so it would load plain RoPE: refused from the header, before any load,
+    by the source check, by the loader and by the nightly judge."""
+    import numpy as np
+
+    from transmla.io.releases import judge_gguf
+    from transmla.io.sources import _save_gguf_as_hf, source_config
+
+    def extra(w):
+        if scaling == "linear":
+            w.add_rope_scaling_type(__import__("gguf").RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(4.0)
+        else:
+            w.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32))
+
+    path = tmp_path / "scaled.gguf"
+    _permuted_llama_gguf(path, True, extra=extra)
+    want = "linear x4.0" if scaling == "linear" else "rope_freqs.weight"
+    for call in (lambda: source_config(f"gguf:{path}", cache=tmp_path / "cache"), lambda: _save_gguf_as_hf(path, tmp_path / "hf")):
+        with pytest.raises(TransMLAError, match="drops this file's RoPE scaling") as e:
+            call()
+        assert want in str(e.value) and "safetensors release" in str(e.value)
+    assert not (tmp_path / "hf").exists()
+    assert "RoPE scaling" in judge_gguf(str(path), None)[1]
+    plain = tmp_path / "plain.gguf"
+    _permuted_llama_gguf(plain, True)
+    assert judge_gguf(str(plain), None)[1] is None
 
 
 def test_big_endian_gguf_is_named_as_such(tmp_path):

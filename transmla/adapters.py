@@ -76,6 +76,19 @@ def check_architecture(model_type: str | None) -> None:
         )
 
 
+def _slides(cfg, mt: str) -> bool:
+    """Whether any layer attends through a sliding window. Qwen2/3 slide only the layers from
+    max_window_layers on (config.layer_types where transformers built it), so a config with the window
+    switched on may still slide none; Mistral/Mixtral slide every layer when sliding_window is set."""
+    if not _get(cfg, "sliding_window", None) or not _get(cfg, "use_sliding_window", mt in ("mistral", "mixtral")):
+        return False
+    types = _get(cfg, "layer_types", None)
+    if types is not None:
+        return "sliding_attention" in types
+    first, n = _get(cfg, "max_window_layers", None), _get(cfg, "num_hidden_layers", None)
+    return first is None or n is None or first < n
+
+
 def check_config(cfg) -> None:
     """Refuse, with the obstacle named, any config the converter cannot handle. Reads only config
     fields (a transformers config or a plain dict, e.g. from a GGUF header): no weights needed."""
@@ -83,17 +96,22 @@ def check_config(cfg) -> None:
     check_architecture(mt)
     if mt == "gemma2":  # transmla.models.Gemma2MLAForCausalLM keeps Gemma 2's layers, soft-capping included
         return
+    if mt in ("qwen3", "gemma3_text") and _get(cfg, "attention_bias", False):
+        raise TransMLAError(f"{mt} with attention biases is not carried yet (the QK-norm path has no q/k bias).",
+                            "convert a checkpoint with attention_bias: false (every released one).")
     if mt == "gemma3_text":  # transmla.models.Gemma3MLAForCausalLM keeps Gemma's RoPE and sliding layers as they are
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if _get(cfg, key, None) is not None:
                 raise TransMLAError(f"Gemma 3 with {key} is not carried yet.", "convert a checkpoint without soft-capping.")
         return
-    sliding = _get(cfg, "sliding_window", None)
-    if sliding and _get(cfg, "use_sliding_window", mt in ("mistral", "mixtral")):
+    if _slides(cfg, mt):
         raise TransMLAError(
             "Sliding-window attention cannot be expressed in DeepSeek-V3 checkpoints.",
             "use a checkpoint with sliding_window: null.",
         )
+    if _get(cfg, "mlp_bias", False):
+        raise TransMLAError("MLP biases cannot be expressed in DeepSeek-V3 checkpoints (its MLP has none).",
+                            "convert a checkpoint with mlp_bias: false.")
     rp = rope_parameters(cfg)
     if rp["rope_type"] not in ROPE_TYPES:
         reason = {
@@ -113,9 +131,6 @@ def check_config(cfg) -> None:
     g = _get(cfg, "num_key_value_heads", None) or h
     if h and g and h % g:
         raise TransMLAError(f"{h} query heads are not a multiple of {g} KV heads.", "check the model config.")
-    if mt == "qwen3" and _get(cfg, "attention_bias", False):
-        raise TransMLAError("Qwen3 with attention biases is not carried yet (the QK-norm path has no q/k bias).",
-                            "convert a Qwen3 checkpoint with attention_bias: false (every released one).")
 
 
 @dataclass(frozen=True)

@@ -160,3 +160,34 @@ def config_from_metadata(meta: dict) -> dict:
         # llama.cpp stores Llama-3.1-style scaling as per-frequency factors in this tensor
         cfg["rope_parameters"] = {"rope_type": "llama3"}
     return {k: v for k, v in cfg.items() if v is not None}
+
+
+SAFETENSORS_FIX = "convert the model's safetensors release instead (hf:ORG/NAME, or a local folder with its config.json)."
+
+
+def loader_drops(meta: dict) -> str | None:
+    """What transformers' GGUF loader would leave out of this file, so that it loads (and converts, exactly)
+    another model than the one llama.cpp runs; None when nothing known is dropped. Its config mapping
+    rebuilds RoPE scaling for gpt-oss alone, and maps experts for no "llama" file (llama.cpp's Mixtral:
+    the MoE layers would load uninitialised)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    arch = meta.get("general.architecture", "")
+    experts = meta.get(f"{arch}.expert_count") or 0
+    if experts > 0 and "expert_count" not in GGUF_CONFIG_MAPPING.get(arch.replace("-", "_"), {}):
+        return (f"transformers' GGUF loader maps no experts for a {arch!r} file, and this one has {experts} "
+                "(llama.cpp's Mixtral): its MoE layers would load uninitialised")
+    rtype = meta.get(f"{arch}.rope.scaling.type")
+    if arch != "gpt-oss" and ((rtype and rtype != "none") or "rope_freqs.weight" in meta.get("__tensor_names__", ())):
+        what = f"{rtype} x{meta.get(f'{arch}.rope.scaling.factor')}" if rtype and rtype != "none" else \
+            "per-frequency factors in rope_freqs.weight, as llama.cpp stores Llama-3.1-style scaling"
+        return (f"transformers' GGUF loader drops this file's RoPE scaling ({what}): the model would load with "
+                "plain RoPE, not the one llama.cpp runs")
+    return None
+
+
+def check_loadable(meta: dict, path) -> None:
+    """loader_drops as an error naming the file and the fix."""
+    dropped = loader_drops(meta)
+    if dropped:
+        raise TransMLAError(f"{path}: {dropped}.", SAFETENSORS_FIX)

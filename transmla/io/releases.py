@@ -113,7 +113,7 @@ def _judge_type(model_type: str) -> str | None:
 def judge_gguf(path: str, max_params: float | None) -> tuple[int | None, str | None]:
     """(parameters, judge_config's reason) for a local GGUF file, from its header alone: the architecture
     and head counts it records, the parameter count summed over its tensor shapes (no weight is read)."""
-    from transmla.io.gguf_header import config_from_metadata, parameter_count, read_metadata
+    from transmla.io.gguf_header import config_from_metadata, loader_drops, parameter_count, read_metadata
 
     try:
         meta = read_metadata(path)
@@ -122,7 +122,7 @@ def judge_gguf(path: str, max_params: float | None) -> tuple[int | None, str | N
     n = parameter_count(meta)
     if not n:
         return None, f"{path} holds no tensors (a GGUF header without weights)"
-    return n, judge_config(config_from_metadata(meta), max_params, n)
+    return n, loader_drops(meta) or judge_config(config_from_metadata(meta), max_params, n)
 
 
 def hub_config(api, repo: str, revision: str) -> dict:

@@ -25,12 +25,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import importlib.metadata
 import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -321,9 +319,19 @@ def _save_gguf_as_hf(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transmla.io.gguf_header import SAFETENSORS_FIX, check_loadable, read_metadata
+
+    check_loadable(read_metadata(gguf), gguf)  # a catalog model's header is read here first
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     with _kv_heads_default(gguf):
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        model, info = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                           output_loading_info=True)
+    # transformers only logs weights the file did not provide, and initialises them at random
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise TransMLAError(f"{gguf}: transformers' GGUF loader found no tensor for {len(missing)} of the model's "
+                            f"weights ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); they would "
+                            "load uninitialised.", SAFETENSORS_FIX)
     # A GGUF-loaded model carries a quantizer that refuses serialisation; the weights are already
     # dequantised, so drop it.
     model.hf_quantizer = None
@@ -460,14 +468,19 @@ def source_config(source: str | ModelSource, cache=None) -> dict:
         return json.loads((entry / "config.json").read_text())
     if src.pypi is not None and src.pypi.model_type:  # a catalog model: its family is known without a download
         return {"model_type": src.pypi.model_type}
-    from transmla.io.gguf_header import config_from_metadata, read_metadata
+    from transmla.io.gguf_header import check_loadable, config_from_metadata, read_metadata
+
+    def loadable_config(paths):
+        meta = read_metadata(paths)
+        check_loadable(meta, src.text)
+        return config_from_metadata(meta)
 
     if src.kind == "gguf":
-        return config_from_metadata(read_metadata(src.location))
+        return loadable_config(src.location)
     entry.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=entry.parent) as work:
         try:
-            return config_from_metadata(read_metadata(_gguf_parts(src.pypi, Path(work), cache)))
+            return loadable_config(_gguf_parts(src.pypi, Path(work), cache))
         except TransMLAError:
             pypi.remove_wheels(_wheels_dir(src.pypi, cache))
             raise
