@@ -45,6 +45,21 @@ def test_missing_file_names_file_and_setting(tmp_path, monkeypatch):
     assert str(tmp_path / "wikitext2" / "test.jsonl") in str(e.value) and "TRANSMLA_DATA_DIR" in str(e.value)
 
 
+def test_emptied_file_names_file_and_fix(tmp_path, monkeypatch):
+    """A data file with no rows (truncated, blank lines only) is refused where it is read, naming it: it would
+    otherwise score no document of a benchmark, or no token, and fail far from the cause."""
+    from transmla.io.data import spec
+
+    emptied = tmp_path / spec("piqa").local_file
+    emptied.parent.mkdir(parents=True)
+    emptied.write_text("\n  \n")
+    monkeypatch.setenv("TRANSMLA_DATA_DIR", str(tmp_path))
+    assert local_path("piqa") == emptied
+    with pytest.raises(TransMLAError, match="holds no rows") as e:
+        load_rows("piqa")
+    assert str(local_path("piqa")) in str(e.value) and "Fix:" in str(e.value)
+
+
 def test_unknown_dataset():
     with pytest.raises(TransMLAError, match="Unknown data set"):
         load_rows("imagenet")

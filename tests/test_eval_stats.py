@@ -189,7 +189,11 @@ def test_reference_limits_must_be_a_superset():
     assert EvaluationOptions(limit=100, limits={"mmlu": 146}, reference_limits={"mmlu": 1000}).reference_limits
     with pytest.raises(TransMLAError, match="smaller than the shared sample"):
         EvaluationOptions(limit=100, limits={"mmlu": 146}, reference_limits={"mmlu": 120})
-    with pytest.raises(TransMLAError, match="needs a limit"):
+    with pytest.raises(TransMLAError, match="reference_limits needs a limit"):
         EvaluationOptions(reference_limits={"mmlu": 1000})
+    # limits without a limit would be ignored (every doc scored): refused, naming how to score all docs
+    with pytest.raises(TransMLAError, match="limits needs a limit.*limits: {}"):
+        EvaluationOptions(limits={"mmlu": 146})
+    assert EvaluationOptions(limit=None, limits={}).limit is None
     with pytest.raises(TransMLAError, match="unknown benchmarks"):
         EvaluationOptions(limit=10, reference_limits={"mmlux": 1000})

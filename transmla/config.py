@@ -360,6 +360,9 @@ class EvaluationOptions(Options):
 
     @model_validator(mode="after")
     def _reference_superset(self):
+        if self.limits and self.limit is None:
+            raise ValueError("limits needs a limit: with limit null every doc of every benchmark is scored and limits "
+                             "would be ignored; to score all docs set limits: {} (and reference_limits: {}) too")
         if self.reference_limits and self.limit is None:
             raise ValueError("reference_limits needs a limit (with every doc scored there is no larger sample)")
         small = {t: n for t, n in self.reference_limits.items() if n < self.limits.get(t, self.limit or 0)}

@@ -161,7 +161,12 @@ def load_rows(name: str, data_dir_override=None, source: str | None = None, revi
         return [dict(r) for r in _hub_dataset(s, revision)]
     path = local_path(name, data_dir_override)
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not rows:  # an emptied file would score no document or no token, and fail far from here
+        raise TransMLAError(f"Data file {path} (data set {name!r}) holds no rows.",
+                            "restore it from the offline data (../shared/data), or point --data-dir "
+                            f"({DATA_DIR_ENV}, the `data_dir` param) at a complete copy.")
+    return rows
 
 
 def load_texts(name: str, data_dir_override=None, source: str | None = None, revision: str | None = None) -> list[str]:
