@@ -17,8 +17,9 @@ A graph replays the captured step (same cache slot, same length): the work of on
 that context. Roofline: the step's bytes (`throughput.step_bytes`: weights once + the batch's KV
 cache) over the measured copy bandwidth; the compute floor (`throughput.step_flops` over the
 measured matmul peak) beside it. At the last context the largest batch that fits is
-measured for the original's best and absorb's best. Results are appended to a JSON lines file as
-they come, so a run cut short keeps what it measured.
+measured for the original's best and absorb's best. Results are written to a new JSON lines file
+(an existing --out is refused: the report reads one run per file) as they come, so a run cut short
+keeps what it measured.
 
     python scripts/decode_gpu.py --out decode.jsonl                      # Llama-2-7B shape, cuda
     python scripts/decode_gpu.py --shape tiny --device cpu --out x.jsonl  # smoke test, no graphs
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 import traceback
@@ -151,8 +153,7 @@ def time_steps(model, backend: str, cache, nxt, context: int, *, graph: bool, st
             if i >= 2:
                 times.append(time.perf_counter() - t)
         del g, out
-    times.sort()
-    return times[len(times) // 2], times[0], times[-1]
+    return statistics.median(times), min(times), max(times)
 
 
 def cell(model, backend, context, batch, *, graph, kernel, steps, warmup, bandwidth, flops=None, extra=None,
@@ -331,6 +332,24 @@ def parse_tuning(text: str) -> dict:
     return out
 
 
+def plan_of(which: str, cuda: bool) -> list[tuple]:
+    """(backend, graph, kernel, compiled) of every measured path of one model; graphs and compiled steps on CUDA only."""
+    graphs = [False, True] if cuda else [False]
+    if which == "original":
+        return ([("hf", False, None, False), ("static", False, None, False)]
+                + [("static", True, None, False), ("static", True, None, True)] * cuda)
+    return ([(b, g, k, False) for b, k in (("stock", None), ("absorb", "sdpa"), ("absorb", "bmm"), ("absorb", "triton"))
+             for g in graphs] + [("absorb", True, "triton", True)] * cuda)
+
+
+def path_name(backend, graph, kernel, compiled) -> str:
+    """A path as --paths spells it: hf, static+g+c, absorb-triton+g, ..."""
+    return f"{backend}{'-' + kernel if kernel else ''}{'+g' if graph else ''}{'+c' if compiled else ''}"
+
+
+PATH_NAMES = [path_name(*p) for which in ("original", "mla") for p in plan_of(which, True)]
+
+
 def report(paths: list[str]) -> str:
     """Markdown tables from JSON-lines results: per shape, ms per step of every path, the speedup of
     absorb's best over the original's best, absorb's multiple of its bandwidth bound, largest batches."""
@@ -347,29 +366,27 @@ def report(paths: list[str]) -> str:
                   + (f" Triton kernel: block_t {tuning['block_t']}, {tuning['num_warps']} warps, {tuning['num_stages']} stages, "
                      f"product form {'by batch' if tuning.get('swap') is None else ('transposed' if tuning['swap'] else 'heads-major')}."
                      if tuning else "") + " +c = the step torch.compile'd (then captured).", ""]
-        paths_ = [("original", "hf", False, None, False, "original stock (DynamicCache)"),
-                  ("original", "static", False, None, False, "original StaticCache"),
-                  ("original", "static", True, None, False, "original StaticCache +g"),
-                  ("original", "static", True, None, True, "original StaticCache +g+c"),
-                  ("mla", "stock", True, None, False, "MLA stock (materialise) +g"),
-                  ("mla", "absorb", True, "sdpa", False, "absorb sdpa +g"),
-                  ("mla", "absorb", True, "bmm", False, "absorb bmm +g"),
-                  ("mla", "absorb", True, "triton", False, "absorb triton +g"),
-                  ("mla", "absorb", True, "triton", True, "absorb triton +g+c")]
-        n_orig = 4
-        lines += ["| context | batch | " + " | ".join(n for *_, n in paths_) + " | best absorb vs best original | absorb x of bound | original x of bound |",
+        # every path a run can measure (CUDA graphs and compiled steps only on a GPU); a column none measured is left out
+        label = lambda be, g, k, c: ("original " + {"hf": "stock (DynamicCache)", "static": "StaticCache"}[be] if be in ("hf", "static")  # noqa: E731
+                                     else "MLA stock (materialise)" if be == "stock" else f"absorb {k}") \
+            + (" +g" if g else "") + ("+c" if c else "")
+        paths_ = [(which, *p) for which in ("original", "mla") for p in plan_of(which, True)]
+        paths_ = [p for p in paths_ if any((r["backend"], r["graph"], r["kernel"], bool(r.get("compiled"))) == p[1:]
+                                           for r in cells)]
+        lines += ["| context | batch | " + " | ".join(label(*p[1:]) for p in paths_)
+                  + " | best absorb vs best original | absorb x of bound | original x of bound |",
                   "|---:|---:|" + "---:|" * (len(paths_) + 3)]
         pick = lambda ctx, b, backend, g, k, c, largest=False: next(  # noqa: E731
             (r for r in cells if (r["context"], r["batch"], r["backend"], r["graph"], r["kernel"], bool(r.get("compiled")))
              == (ctx, b, backend, g, k, c) and bool(r.get("largest_batch")) == largest), None)
+        bound = lambda r: "-" if r is None else f"{r['x_of_bound']:.2f} ({r['bound_ms']:.2f} ms)"  # noqa: E731
         for ctx, b in sorted({(r["context"], r["batch"]) for r in cells if not r.get("largest_batch")}):
-            got = [pick(ctx, b, be, g, k, c) for _, be, g, k, c, _ in paths_]
-            orig = min((r for r in got[:n_orig] if r), key=lambda r: r["ms"], default=None)
-            ab = min((r for r in got[n_orig + 1:] if r), key=lambda r: r["ms"], default=None)
+            got = [pick(ctx, b, *p[1:]) for p in paths_]
+            orig = min((r for p, r in zip(paths_, got) if r and p[0] == "original"), key=lambda r: r["ms"], default=None)
+            ab = min((r for p, r in zip(paths_, got) if r and p[1] == "absorb"), key=lambda r: r["ms"], default=None)
             fmt = [f"{r['ms']:.2f}" if r else "-" for r in got]
             sp = f"{orig['ms'] / ab['ms']:.2f}x" if orig and ab else "-"
-            lines.append(f"| {ctx} | {b} | " + " | ".join(fmt) + f" | {sp} | {ab['x_of_bound']:.2f} ({ab['bound_ms']:.2f} ms) | "
-                         f"{orig['x_of_bound']:.2f} ({orig['bound_ms']:.2f} ms) |" if ab and orig else "")
+            lines.append(f"| {ctx} | {b} | " + " | ".join(fmt) + f" | {sp} | {bound(ab)} | {bound(orig)} |")
         big = [r for r in cells if r.get("largest_batch")]
         if big:
             lines += ["", "Largest batch that fits at the last context (memory left: the script's margin):", "",
@@ -426,7 +443,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--max-batch", action="store_true", help="also the largest batch that fits at the last context")
     ap.add_argument("--margin-gib", type=float, default=6.0, help="memory left free for activations at the largest batch")
     ap.add_argument("--out", required=True)
@@ -439,10 +456,23 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-contexts", type=int, nargs="*", default=None,
                     help="contexts of the torch.compile'd (+c) paths (default: the last context)")
     a = ap.parse_args(argv)
-
-    dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
-    graphs = [False, True] if dev.type == "cuda" else [False]
+    # bad input is refused here, before the bandwidth measurement or any model is built
+    if a.steps < 1 or a.warmup < 0:
+        ap.error(f"--steps must be >= 1 and --warmup >= 0 (got {a.steps}, {a.warmup})")
+    want = None if a.paths == "all" else set(a.paths.split(","))
+    if want and want - set(PATH_NAMES):
+        ap.error(f"unknown --paths {sorted(want - set(PATH_NAMES))}; choose from {', '.join(PATH_NAMES)}")
+    dev = torch.device(a.device)
+    if want and not any(path_name(*p) in want for w in ("original", "mla") for p in plan_of(w, dev.type == "cuda")):
+        ap.error(f"none of --paths {a.paths} runs on {dev.type} (CUDA graphs and compiled steps need a GPU)")
+    for spec in filter(None, a.profile.split(",")):
+        parts = spec.split(":")
+        if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit() or "-" not in parts[0]:
+            ap.error(f"bad --profile entry {spec!r}: write BACKEND-KERNEL:CONTEXT:BATCH, e.g. absorb-triton:8192:16")
     out = Path(a.out)
+    if out.exists() and out.stat().st_size:
+        ap.error(f"--out {out} exists: the report reads one run per file; choose a new file (or delete it)")
+    dtype = getattr(torch, a.dtype)
     import transformers
 
     info = dict(kind="info", shape=a.shape, torch=torch.__version__, transformers=transformers.__version__,
@@ -484,16 +514,7 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         for which in ("original", "mla"):
             model = build(a.shape, which, a.rope_dim, a.rank, dev, dtype)
-            cuda = dev.type == "cuda"
-            plan = ([("hf", False, None, False), ("static", False, None, False)]
-                    + [("static", True, None, False), ("static", True, None, True)] * cuda
-                    if which == "original" else
-                    [(b, g, k, False) for b, k in (("stock", None), ("absorb", "sdpa"), ("absorb", "bmm"), ("absorb", "triton"))
-                     for g in graphs] + [("absorb", True, "triton", True)] * cuda)
-            name = lambda b, g, k, c: f"{b}{'-' + k if k else ''}{'+g' if g else ''}{'+c' if c else ''}"  # noqa: E731
-            if a.paths != "all":
-                want = set(a.paths.split(","))
-                plan = [p for p in plan if name(*p) in want]
+            plan = [p for p in plan_of(which, dev.type == "cuda") if want is None or path_name(*p) in want]
             for ctx in a.contexts:
                 for backend, graph, kernel, comp in plan:
                     if comp and ctx not in (a.compile_contexts or a.contexts[-1:]):

@@ -238,3 +238,34 @@ def test_static_copy_decodes_like_the_dynamic_cache_past_the_window(context):
 
     ids = torch.randint(1, V, (1, context), generator=torch.Generator().manual_seed(0))
     assert_static_decodes_like_dynamic(_family("gemma3"), ids, batch=3, steps=6, tol=1e-5)
+
+
+def _decode_gpu_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "decode_gpu.py"
+    spec = importlib.util.spec_from_file_location("decode_gpu_script", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_decode_gpu_script_reports_a_cpu_run_and_refuses_bad_input(tmp_path):
+    """scripts/decode_gpu.py (issue 20's GPU measurement) on CPU: its report shows every measured cell (eager
+    paths included) with the speedup and both roofline columns; an existing --out, an unknown or GPU-only
+    --paths and --steps 0 are refused before any measurement, writing nothing."""
+    dg = _decode_gpu_script()
+    out = tmp_path / "run.jsonl"
+    small = ["--shape", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "0", "--contexts", "32", "--batch", "1"]
+    assert dg.main([*small, "--out", str(out), "--paths", "static,absorb-bmm"]) == 0
+    rows = [ln for ln in dg.report([str(out)]).splitlines() if ln.startswith("| 32 | 1 |")]
+    assert len(rows) == 1, dg.report([str(out)])
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert len(cells) == 2 + 2 + 3 and "-" not in cells and cells[4].endswith("x")  # 2 paths + speedup + 2 bounds
+    for bad in (["--out", str(out)], ["--out", str(tmp_path / "b.jsonl"), "--paths", "absorb-bogus"],
+                ["--out", str(tmp_path / "b.jsonl"), "--paths", "static+g"], ["--out", str(tmp_path / "b.jsonl"), "--steps", "0"]):
+        with pytest.raises(SystemExit) as e:
+            dg.main([*small, *bad])
+        assert e.value.code == 2
+    assert not (tmp_path / "b.jsonl").exists()
