@@ -110,7 +110,10 @@ def _generated(stage: str, flows: dict[str, str], indent: str, profile: Profile)
 
 
 if __name__ == "__main__":
+    import argparse
+
     from transmla.io.paths import write_text_atomic
 
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     write_text_atomic(DVC_YAML, regenerate(DVC_YAML.read_text()))
     print(f"{DVC_YAML.name}: code deps regenerated for {len(_flows())} stages")
