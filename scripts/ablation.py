@@ -29,6 +29,7 @@ import argparse
 import copy
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,7 +79,7 @@ DATASETS = ("wikitext2-test", "c4-demo")
 
 
 def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
+    return statistics.median(xs)
 
 
 def plain_forward_times(model, tok, o: ConvertOptions, repeats: int = 3) -> dict:
@@ -241,7 +242,15 @@ def main() -> None:
     rows = DEFAULT_ROWS if args.rows == "default" else args.rows.split(",")
     bad = [r for r in rows if r not in ROWS]
     if bad:
-        raise SystemExit(f"unknown rows {bad}: choose from {list(ROWS)}")
+        ap.error(f"unknown rows {bad}: choose from {list(ROWS)}")
+    try:  # checked before the model loads: a bad budget would otherwise stop the run after minutes of work
+        budgets = [float(b) for b in args.budgets.split(",")]
+    except ValueError:
+        ap.error(f"--budgets {args.budgets!r}: write KV-cache fractions joined by commas, e.g. 0.3125,0.125")
+    if not all(0 < b < 1 for b in budgets):
+        ap.error(f"--budgets {args.budgets!r}: each fraction of the KV cache kept must be in (0, 1)")
+    if args.repeats < 1 or args.ppl_tokens < args.seqlen or args.seqlen < 2:
+        ap.error("--repeats must be >= 1, --seqlen >= 2 and --ppl-tokens >= --seqlen (one window)")
     out = Path(args.out or REPO / "reports" / "ablation" / f"{args.model}.json")
     o = ConvertOptions()
     protocol = {"ppl_tokens": args.ppl_tokens, "seqlen": args.seqlen, "machine": f"CPU, {torch.get_num_threads()} threads",
@@ -278,17 +287,17 @@ def main() -> None:
     done = {(r["row"], r["budget"]) for r in res["rows"]}
     from transformers import AutoModelForCausalLM
 
-    todo = [(b, row) for b in [float(b) for b in args.budgets.split(",")] for row in rows if (row, b) not in done]
+    todo = [(b, row) for b in budgets for row in rows if (row, b) not in done]
     fwd = plain_forward_times(model, tok, o, repeats=1) if todo else None  # this run's machine speed
 
-    for budget in [float(b) for b in args.budgets.split(",")]:
+    for budget in budgets:
         for row in rows:
             if (row, budget) in done:
                 continue
             label, flags = ROWS[row]
             with tempfile.TemporaryDirectory() as tmp:
                 info = convert_row(args.model, budget, flags, Path(tmp) / "model")
-                mla = AutoModelForCausalLM.from_pretrained(Path(tmp) / "model", dtype=torch.float32)
+                mla = AutoModelForCausalLM.from_pretrained(Path(tmp) / "model", dtype=torch.float32, use_safetensors=True)
             p = prompts.score_continuations(model, tok, prompts.greedy_continuations(mla, tok))
             fast = use_causal_padded_sdpa(mla.to(eval_dtype))
             r = {"row": row, "label": label, "budget": budget, **{k: info[k] for k in (

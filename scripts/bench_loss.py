@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     teacher = load_model(args.teacher)
     teacher = teacher[0] if isinstance(teacher, tuple) else teacher
-    student = AutoModelForCausalLM.from_pretrained(args.student, dtype=torch.float32)
+    student = AutoModelForCausalLM.from_pretrained(args.student, dtype=torch.float32, use_safetensors=True)
     unfold_latent_norms(student)
     use_causal_padded_sdpa(student)
     use_causal_padded_sdpa(teacher)
@@ -114,8 +115,8 @@ def main(argv=None) -> int:
             ref = grad if ref is None else ref
             print(f"round {r}: {which:12s} {sec:6.2f} s, loss {loss:.5f}{diff}", flush=True)
     for which, t in times.items():
-        t = sorted(t[1:])
-        print(f"{which:12s} median {t[len(t) // 2]:.2f} s (min {t[0]:.2f}, max {t[-1]:.2f}) over {len(t)} rounds")
+        t = t[1:]
+        print(f"{which:12s} median {statistics.median(t):.2f} s (min {min(t):.2f}, max {max(t):.2f}) over {len(t)} rounds")
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (both, one process)")
     return 0
 

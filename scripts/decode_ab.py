@@ -24,6 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from transmla.errors import TransMLAError  # noqa: E402
+from transmla.io.paths import check_output, write_text_atomic  # noqa: E402
 from transmla.io.sources import load_model  # noqa: E402
 from transmla.runtime import compiled_decode, hugepages, native_decode, packed  # noqa: E402
 from transmla.runtime.absorb import LatentCache, enable_absorb  # noqa: E402
@@ -43,6 +45,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.context < 1 or args.batch < 1 or args.rounds < 1 or args.steps < 1:
         sys.exit("decode_ab: --context, --batch, --rounds and --steps must be positive")
+    if args.out:  # refused now, not after the rounds
+        try:
+            check_output(args.out, "file")
+        except TransMLAError as e:
+            sys.exit(f"decode_ab: {e}")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -92,7 +99,7 @@ def main() -> None:
     print(f"native faster in {result['native_faster_rounds']} of {args.rounds} rounds; "
           f"first-step logits differ by at most {diff:.2e}")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        write_text_atomic(args.out, json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

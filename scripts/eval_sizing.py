@@ -28,9 +28,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--min", action="append", default=[], metavar="BENCH=N",
                     help="a benchmark's floor (e.g. mmlu=400); the others are re-solved around it")
     a = ap.parse_args(argv)
-    speed = json.loads(Path(a.results).read_text())["speed"]
+    floors = {}
+    for m in a.min:
+        k, _, v = m.partition("=")
+        if k not in AVERAGE_WEIGHTS or not v.isdigit():
+            ap.error(f"--min {m!r}: write BENCH=N with BENCH one of {', '.join(AVERAGE_WEIGHTS)}")
+        floors[k] = int(v)
+    if not 0 < a.target_se < 1:
+        ap.error(f"--target-se {a.target_se}: a standard error as a fraction, e.g. 0.015")
+    try:
+        speed = json.loads(Path(a.results).read_text())["speed"]
+    except (OSError, ValueError, KeyError) as e:
+        ap.error(f"{a.results}: not an evaluation's results.json with its per-benchmark speed ({type(e).__name__}: {e})")
+    if missing := [b for b in AVERAGE_WEIGHTS if not speed.get(b, {}).get("docs")]:
+        ap.error(f"{a.results} has no speed for {missing}: evaluate every Table-1 benchmark (transmla eval --out DIR)")
     cost = {b: speed[b]["seconds"] / speed[b]["docs"] for b in AVERAGE_WEIGHTS}
-    floors = {k: int(v) for k, v in (m.split("=") for m in a.min)}
     docs = cost_optimal_docs(cost, a.target_se, floors=floors)
     measured = {b: speed[b]["docs"] for b in AVERAGE_WEIGHTS}
     out = {

@@ -59,6 +59,13 @@ def main() -> int:
     ap.add_argument("--cal-batch-size", type=int, default=None, help="calibration windows per forward (default: the CLI's)")
     ap.add_argument("--out", default=str(ROOT / "reports" / "layer_streamed"))
     a = ap.parse_args()
+    from transmla.errors import TransMLAError
+    from transmla.io.paths import check_output, write_text_atomic
+
+    try:
+        check_output(a.out, "dir")  # refused now, not after the conversions
+    except TransMLAError as e:
+        ap.error(str(e))
     from transformers import AutoConfig
 
     from transmla.io.lazy import float32_bytes
@@ -85,7 +92,7 @@ def main() -> int:
             print(json.dumps(rows[-1]), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(rows, indent=2))
+    write_text_atomic(out / "results.json", json.dumps(rows, indent=2))
     batch = "" if a.cal_batch_size is None else f" --cal-batch-size {a.cal_batch_size}"
     lines = ["# Layer-streamed conversion vs in memory", "",
              f"`python scripts/layer_streamed_bench.py --models {' '.join(a.models)} --kv-cache-ratio {a.kv_cache_ratio}{batch}`: "
@@ -103,7 +110,7 @@ def main() -> int:
                      f"{r['layers_conversion_peak_gib'] / r['float32_gib']:.2f} | "
                      f"{r['model_wall_s']:.0f} s | {r['layers_wall_s']:.0f} s | {r['layers_wall_s'] / r['model_wall_s']:.2f} | "
                      f"{r['max_logprob_diff']:.1e} |")
-    (out / "README.md").write_text("\n".join(lines) + "\n")
+    write_text_atomic(out / "README.md", "\n".join(lines) + "\n")
     return 0
 
 

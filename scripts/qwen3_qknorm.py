@@ -164,7 +164,7 @@ def main() -> None:
                                 ("exact: Qwen3MLAForCausalLM, RoPE 8 + rank 24, default mode", dict(qk_rope_dim=8, kv_lora_rank=24), "25%")):
             out = Path(tmp) / f"mla{len(rows)}"
             convert(str(src), out, ConvertOptions(**opts, **cal_opts), progress=False)
-            rows.append((label, perplexity(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), test), kv))
+            rows.append((label, perplexity(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, use_safetensors=True), test), kv))
     rows.append(("stock: constant key norm (query norm kept)", perplexity(with_constant_norms(model, factors, ("k_norm",)), test), "100%"))
     rows.append(("stock: constant query and key norms", perplexity(with_constant_norms(model, factors, ("q_norm", "k_norm")), test), "100%"))
     res = {"steps": args.steps, "train_loss": train_loss, "train_seconds": round(train_s, 1),

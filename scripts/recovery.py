@@ -144,13 +144,25 @@ def main() -> None:
         return
     runs = args.runs.split(",")
     if bad := [r for r in runs if r not in RUNS]:
-        raise SystemExit(f"unknown runs {bad}: choose from {list(RUNS)}")
+        ap.error(f"unknown runs {bad}: choose from {list(RUNS)}")
+    # bad input is refused before the original model's perplexity (minutes)
+    if not 0 < args.budget < 1:
+        ap.error(f"--budget {args.budget}: the fraction of the KV cache kept must be in (0, 1)")
+    if args.checkpoint and not (Path(args.checkpoint) / "config.json").is_file():
+        ap.error(f"--checkpoint {args.checkpoint}: no config.json there; pass a `transmla convert --out` directory")
+    if args.ppl_tokens < 2048 or args.max_tokens < 1:
+        ap.error("--ppl-tokens must hold one 2048-token window and --max-tokens be positive")
     out = Path(args.out or REPO / "reports" / "recovery" / f"{args.model}-{args.budget}.json")
     protocol = {"ppl_tokens": args.ppl_tokens, "machine": f"CPU, {torch.get_num_threads()} threads",
                 "training": f"{args.max_tokens:,} tokens, `transmla finetune` defaults {' '.join(args.finetune_args)}".strip()}
     res = json.loads(out.read_text()) if out.is_file() else {}
+    start = {"model": args.model, "budget": args.budget, "checkpoint": args.checkpoint}
+    if res.get("protocol") == protocol and res.get("rows") and \
+            {k: res.get(k) for k in start} != start:  # resuming would mix runs from two starting points
+        ap.error(f"--out {out} holds runs from another start ({ {k: res.get(k) for k in start} }, not {start}); "
+                 "choose another --out")
     if res.get("protocol") != protocol:
-        res = {"model": args.model, "budget": args.budget, "protocol": protocol, "rows": []}
+        res = {**start, "protocol": protocol, "rows": []}
     model, tok = load_model(args.model, dtype="float32")
     tests = {d: tokenize_corpus(tok, load_texts(d)) for d in DATASETS}
 
