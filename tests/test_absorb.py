@@ -129,6 +129,30 @@ def test_incremental_decode_matches_stock_and_caches_only_the_latent(mla, fold):
     assert cache.bytes_per_token() == L * (r + R) * 4 == kv_bytes_per_token(cfg, "absorb")
 
 
+def test_prefill_into_an_empty_static_cache(mla):
+    """generate(cache_implementation="static") prefills a StaticCache longer than the prompt, and transformers
+    then drops the mask: causal from the cache's start, the unwritten slots after the prompt. The absorbed
+    path (latent_attention) must read it so, not bottom-right."""
+    _check_static_cache_prefill(mla)
+
+
+def test_prefill_into_an_empty_static_cache_with_key_scale():
+    """The same through scaled_latent_attention (Qwen3 / Gemma 3's key norm)."""
+    _check_static_cache_prefill(_tiny_qwen3_mla("sdpa"))
+
+
+def _check_static_cache_prefill(model):
+    from transformers import StaticCache
+
+    ids = _ids(model, batch=2, n=14)
+    ref = _logprobs(model, ids)
+    stock = _incremental(model, ids, 6, StaticCache(config=model.config, max_cache_len=24))
+    assert (stock - ref).abs().max() < TOL  # the stock forward, same cache: the reference holds
+    with absorbed(model):
+        got = _incremental(model, ids, 6, StaticCache(config=model.config, max_cache_len=24))
+    assert (got - ref).abs().max() < TOL
+
+
 def test_latent_cache_holds_what_the_stock_module_computes(mla):
     """c_kv after kv_a_layernorm and k_pe after RoPE: the stock forward reading a LatentCache filled
     by the absorbed forward gives the stock log-probs (and the stock forward can fill it too)."""

@@ -365,8 +365,9 @@ def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, 
         query (`torch.Tensor` of shape `[B, h, S, r + R]`): absorbed queries [W_UK^T q_nope ; q_rope].
         latent (`torch.Tensor` of shape `[B, T, r + R]`): cached [c_kv ; k_pe], queries are its last S tokens;
             or `[B, T / 16, r + R, 16]`, a blocked static cache (`runtime.compiled_decode`).
-        attention_mask: None (causal, bottom-right aligned), bool `[B, 1, S, T]` (True = attend) or
-            additive float `[B, 1, S, T]`, as transformers' sdpa / eager mask functions build them.
+        attention_mask: None (one query: every key; several: causal from the cache's start, as transformers
+            means it when it drops the mask: T == S or an empty StaticCache's prefill), bool `[B, 1, S, T]`
+            (True = attend) or additive float `[B, 1, S, T]`, as transformers' sdpa / eager mask functions build them.
         scaling (`float`): the module's softmax scale.
         rank (`int`): r.
     Returns:
@@ -420,11 +421,9 @@ def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, 
     key = key.expand(B, h, T, E)
     is_causal = False
     if attention_mask is None:
-        if T == S:
-            is_causal = True
-        else:  # bottom-right causal: query s sits at position T - S + s
-            pos = torch.arange(S, device=query.device)[:, None] + (T - S)
-            attention_mask = (pos >= torch.arange(T, device=query.device)[None, :])[None, None]
+        # transformers drops the mask of a multi-token step only where causal counted from the cache's start is
+        # right: T == S, or a prefill into an empty StaticCache whose unwritten slots lie past the prompt
+        is_causal = True
     out = F.scaled_dot_product_attention(query, key, key, attn_mask=attention_mask, is_causal=is_causal, scale=scaling)
     return out[..., :rank]
 
@@ -447,7 +446,9 @@ def scaled_latent_attention(query: torch.Tensor, latent: torch.Tensor, key_scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is None:
-        pos = torch.arange(S, device=query.device)[:, None] + (T - S)  # bottom-right causal
+        # as in latent_attention: one query sees every key; several are causal from the cache's start (T == S,
+        # or an empty StaticCache's prefill, whose unwritten slots follow the prompt)
+        pos = torch.arange(S, device=query.device)[:, None] + (T - 1 if S == 1 else 0)
         attention_mask = (pos >= torch.arange(T, device=query.device)[None, :])[None, None]
     else:
         attention_mask = _mask_to(attention_mask, T)
