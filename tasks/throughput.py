@@ -300,7 +300,8 @@ def table(result: dict, title: str) -> str:
                   "|---:|---|---:|---:|---:|---:|---:|"]
         for r in result["full"]:
             lines.append(f"| {r['context']:,} | {r['run']} | {r['batch']} | {r['tokens_per_s']:.1f} | "
-                         f"{r['time_per_output_token_ms']:.0f} | {r['prefill_s']:.1f} | {r['peak_rss_gib']:.2f} |")
+                         f"{r['time_per_output_token_ms']:.0f} | {r['prefill_s']:.1f} | {r['peak_rss_gib']:.2f}"
+                         + (f" (GPU {r['peak_gpu_gib']:.2f})" if "peak_gpu_gib" in r else "") + " |")
     if result.get("vllm_throughput"):
         lines += ["", "vLLM offline throughput (paper protocol, random prompts): output tokens/s.", "",
                   "| context | run | requests | output tokens/s | total tokens/s |", "|---:|---|---:|---:|---:|"]

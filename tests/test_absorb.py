@@ -691,6 +691,13 @@ def test_compiled_decode_skips_guards_only_for_inputs_it_has_run(tiny_pair, monk
         monkeypatch.setattr(absorb_module, "DECODE_KERNEL", "bmm" if kernel != "bmm" else "sdpa")
         assert sig != call_signature(ids[:, :1].contiguous(), a)  # a setting the trace read: another graph
         monkeypatch.setattr(absorb_module, "DECODE_KERNEL", kernel)
+        # where `auto` resolves by batch x capacity (a GPU: bmm, then Triton from 32,768 tokens), the kernel it
+        # resolves to is in the signature: a graph traced at one capacity does not serve the other kernel
+        real = absorb_module.decode_kernel
+        monkeypatch.setattr(absorb_module, "decode_kernel",
+                            lambda device, batch=1, length=0, dtype=None: "triton" if batch * length >= 100 else "bmm")
+        assert call_signature(ids[:, :1].contiguous(), a) != call_signature(ids[:, 1:2].contiguous(), b)
+        monkeypatch.setattr(absorb_module, "decode_kernel", real)
         if True in _blocked_layouts():
             rows = decode(3, 12, blocked=not a.blocked)
             assert rows.blocked != a.blocked and call_signature(ids[:, :1].contiguous(), rows) != sig

@@ -331,11 +331,22 @@ def test_the_default_profile_is_the_file_the_stages_read(monkeypatch):
 
 def test_a_distributed_rank_loads_onto_its_own_gpu(monkeypatch):
     """Under torchrun / accelerate launch every rank read `--device cuda` as GPU 0 and loaded its student and
-    teacher there; a bare cuda is the rank's own GPU now, any other device as given."""
+    teacher there; a bare cuda is the rank's own GPU now, and a GPU index (every rank on that one GPU) is
+    refused. One process may name its GPU (the Trainer's own limit on it: FinetuneConfig, below)."""
+    from transmla.config import FinetuneConfig
     from transmla.devices import rank_device
+    from transmla.errors import TransMLAError
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert rank_device("cuda") == "cuda" and rank_device("cpu") == "cpu"
+    assert rank_device("cuda") == "cuda" and rank_device("cpu") == "cpu" and rank_device("cuda:1") == "cuda:1"
     monkeypatch.setenv("LOCAL_RANK", "3")
-    assert rank_device("cuda") == "cuda:3"
-    assert rank_device("cuda:1") == "cuda:1" and rank_device("cpu") == "cpu"
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert rank_device("cuda") == "cuda:3" and rank_device("cpu") == "cpu"
+    with pytest.raises(TransMLAError, match="every rank would load onto that one GPU"):
+        rank_device("cuda:0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert rank_device("cuda:0") == "cuda:0"
+    # transformers' Trainer trains on the first visible GPU whatever index is given: refused, naming the fix
+    assert FinetuneConfig(device="cuda:0").device == "cuda:0" and FinetuneConfig(device="cuda").device == "cuda"
+    with pytest.raises(TransMLAError, match="CUDA_VISIBLE_DEVICES=2 and device cuda"):
+        FinetuneConfig(device="cuda:2")

@@ -212,14 +212,15 @@ def read_spec(cfg) -> GQASpec:
 
 
 def attention_weights(model, layer: int) -> AttentionWeights:
-    """Float64 copies of one layer's attention projections."""
+    """Float64 copies of one layer's attention projections, on the CPU wherever the model is: the per-layer
+    math runs there, beside the calibration statistics."""
     attn = model.model.layers[layer].self_attn
 
     def w(lin):
-        return lin.weight.detach().to(torch.float64).clone()
+        return lin.weight.detach().to("cpu", torch.float64).clone()
 
     def b(lin):
-        return None if lin.bias is None else lin.bias.detach().to(torch.float64).clone()
+        return None if lin.bias is None else lin.bias.detach().to("cpu", torch.float64).clone()
 
     out = AttentionWeights(
         wq=w(attn.q_proj), wk=w(attn.k_proj), wv=w(attn.v_proj), wo=w(attn.o_proj),

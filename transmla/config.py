@@ -274,6 +274,16 @@ class FinetuneConfig(Options):
     loss_chunk: int = Field(1024, ge=1)  # positions per output-head chunk: logits never held for the whole batch
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
 
+    @field_validator("device")
+    @classmethod
+    def _one_trainer_device(cls, v):
+        # transformers' Trainer trains on the first visible GPU (one process) or the rank's own (a distributed
+        # launch), whatever index is given: cuda:N would load onto N and train on another
+        if v.startswith("cuda:") and v != "cuda:0":
+            raise ValueError(f"device {v}: the fine-tune trains on the first visible GPU whatever index is given; "
+                             f"run with CUDA_VISIBLE_DEVICES={v[5:]} and device cuda")
+        return v
+
     @property
     def needs_teacher(self) -> bool:
         return self.teacher_setting is not None

@@ -24,9 +24,16 @@ def check_device(device: str, setting: str = "--device", pass_cpu: str = "pass -
 
 def rank_device(device: str) -> str:
     """The device one process of a distributed launch (torchrun / accelerate launch: LOCAL_RANK set) loads onto:
-    a bare `cuda` is that rank's GPU, so N ranks do not all load their models onto GPU 0 first."""
+    a bare `cuda` is that rank's GPU, so N ranks do not all load their models onto GPU 0 first; a GPU index
+    would put every rank on that one GPU, and is refused there."""
     import os
 
-    if device == "cuda" and os.environ.get("LOCAL_RANK", "").isdigit():
-        return f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    rank = os.environ.get("LOCAL_RANK", "")
+    if not rank.isdigit() or not device.startswith("cuda"):
+        return device
+    if device == "cuda":
+        return f"cuda:{int(rank)}"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise TransMLAError(f"--device {device} in a distributed launch: every rank would load onto that one GPU.",
+                            "pass --device cuda (each rank then uses its own GPU, LOCAL_RANK).")
     return device

@@ -259,7 +259,7 @@ class LayerStream:
         qp = getattr(attn, "q_proj", None)
         if "q_proj.weight" not in w or not isinstance(qp, nn.Linear) or qp.bias is not None:
             return None
-        A = query_map(w["q_proj.weight"], qp.weight.detach(), s.h)
+        A = query_map(w["q_proj.weight"], qp.weight.detach().cpu(), s.h)  # the MLA weights are on the CPU
         return None if A is None else A.to(qp.weight)
 
     def _bar(self, what: str):

@@ -278,8 +278,8 @@ def call_signature(ids: torch.Tensor, cache: StaticLatentCache) -> tuple:
     """What of a compiled step's inputs can change from call to call and select another graph: the ids'
     and every latent buffer's shape (the capacity, a dynamic dimension, only as "one" or "more": dynamo
     specialises a size of 1), strides, dtype and device, the layout and the position's; and the module
-    settings the trace reads (`absorb.DECODE_KERNEL`, whether the CPU kernels are built), which dynamo
-    would otherwise guard on."""
+    settings the trace reads (`absorb.DECODE_KERNEL`, whether the CPU kernels are built, the kernel it
+    resolves to at this batch and capacity), which dynamo would otherwise guard on."""
     from transmla.runtime import absorb
 
     def tensor(t: torch.Tensor, dynamic: int | None = None) -> tuple:
@@ -288,5 +288,8 @@ def call_signature(ids: torch.Tensor, cache: StaticLatentCache) -> tuple:
         stride = t.stride() if dynamic is None else (t.is_contiguous(), t.stride()[dynamic:])
         return shape, stride, t.dtype, t.device, t.requires_grad
 
+    # the kernel `auto` picks at this batch and capacity (on a GPU it switches from bmm to Triton with B x T): a
+    # graph traced for one must not serve the other
+    kernel = absorb.decode_kernel(ids.device, ids.shape[0], cache.capacity, cache.buffers[0].dtype)
     return (tensor(ids), cache.blocked, tensor(cache.position),
-            tuple(tensor(b, dynamic=1) for b in cache.buffers), absorb.DECODE_KERNEL, cpu_kernels.available())
+            tuple(tensor(b, dynamic=1) for b in cache.buffers), absorb.DECODE_KERNEL, cpu_kernels.available(), kernel)

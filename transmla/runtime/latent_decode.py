@@ -24,6 +24,7 @@ merge in plain PyTorch (`latent_decode_torch`), the fallback and the tests' seco
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -200,6 +201,12 @@ def _resident(device: torch.device, key: tuple) -> int:
     return TUNING["programs_per_sm"] * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def dot_precision(dtype: torch.dtype) -> dict:
+    """The kernel's launch option for its products: IEEE float32 for float32 inputs (exact as the PyTorch forms),
+    Triton's default (the tensor cores' native precision) for bfloat16 / float16."""
+    return {"default_dot_input_precision": "ieee"} if dtype == torch.float32 else {}
+
+
 def latent_decode_triton(query: torch.Tensor, latent: torch.Tensor, rank: int, scaling: float,
                          mask: torch.Tensor | None = None, num_splits: int | None = None,
                          block_t: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
@@ -226,15 +233,18 @@ def latent_decode_triton(query: torch.Tensor, latent: torch.Tensor, rank: int, s
     acc = torch.empty(B, h, S, rank, dtype=torch.float32, device=query.device)  # merge_splits' layout
     m = torch.empty(B, h, S, dtype=torch.float32, device=query.device)
     l = torch.empty_like(m)
-    compiled = _kernel()[(B, S)](
-        query, latent, add if add is not None else m, acc, m, l,
-        query.stride(0), query.stride(1), latent.stride(0), latent.stride(1), add.stride(0) if add is not None else 0,
-        acc.stride(0), acc.stride(2), acc.stride(1), m.stride(0), m.stride(2), m.stride(1),
-        h, T, scaling, tiles,
-        RANK=rank, ROPE=R, BLOCK_H=_pow2(h), BLOCK_T=block_t, BLOCK_R=_pow2(rank), BLOCK_P=_pow2(R), HAS_MASK=add is not None,
-        SWAP=bool(swap), INTERPRET=interpret, CHUNK_TILES_INTERP=tiles if interpret else 1,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    # Triton launches on the current CUDA device, not the tensors' (a model on cuda:1 would fault); float32
+    # inputs are multiplied in full precision (tl.dot's default on NVIDIA is TF32: ~1e-3 relative error)
+    with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
+        compiled = _kernel()[(B, S)](
+            query, latent, add if add is not None else m, acc, m, l,
+            query.stride(0), query.stride(1), latent.stride(0), latent.stride(1), add.stride(0) if add is not None else 0,
+            acc.stride(0), acc.stride(2), acc.stride(1), m.stride(0), m.stride(2), m.stride(1),
+            h, T, scaling, tiles,
+            RANK=rank, ROPE=R, BLOCK_H=_pow2(h), BLOCK_T=block_t, BLOCK_R=_pow2(rank), BLOCK_P=_pow2(R), HAS_MASK=add is not None,
+            SWAP=bool(swap), INTERPRET=interpret, CHUNK_TILES_INTERP=tiles if interpret else 1,
+            num_warps=num_warps, num_stages=num_stages, **dot_precision(query.dtype),
+        )
     if query.is_cuda and (query.device.index, key) not in _RESIDENT:
         _RESIDENT[(query.device.index, key)] = resident_programs(compiled, query.device, num_warps) or 0
     return merge_splits(m, l, acc).to(query.dtype)

@@ -95,7 +95,7 @@ def latent_decode_kernel(
     pm = op < ROPE
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_H], 0.0, tl.float32)
-    l_base = L + b * stride_lb
+    l_base = L + b.to(tl.int64) * stride_lb  # int64: B x capacity x (r + R) passes 2^31 at large batches
     mb = b * stride_mb
     q_base = Q + b * stride_qb
     if INTERPRET:

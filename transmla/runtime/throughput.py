@@ -439,13 +439,16 @@ def peak_flops(device="cpu", dtype: torch.dtype = torch.float32, n: int = 1024, 
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         a @ b
+        # a GPU finishes one 1024^3 product in microseconds, less than a synchronisation: time several
+        inner = 1 if torch.device(device).type == "cpu" else 20
         times = []
         for _ in range(repeats):
             synchronize(device)
             t = time.perf_counter()
-            a @ b
+            for _ in range(inner):
+                a @ b
             synchronize(device)
-            times.append(time.perf_counter() - t)
+            times.append((time.perf_counter() - t) / inner)
         used = torch.get_num_threads()
     finally:
         torch.set_num_threads(old_threads)
@@ -584,6 +587,9 @@ def measure(
                 _generate(model, backend, ids[:, : min(in_len, 32)], min(out_len, 4))
             rss_method = reset_peak_rss()
             rss0 = rss_bytes()
+            on_gpu = model.device.type == "cuda"  # weights and cache in GPU memory: RSS does not see them
+            if on_gpu:
+                torch.cuda.reset_peak_memory_stats(model.device)
             clock = _Clock(model.device)
             synchronize(model.device)
             t0 = time.perf_counter()
@@ -591,6 +597,7 @@ def measure(
             synchronize(model.device)
             t_end = time.perf_counter()
             peak = peak_rss_bytes()
+            gpu_peak = torch.cuda.max_memory_allocated(model.device) if on_gpu else None
             cache = out.past_key_values
             cached_tokens = cache.get_seq_length()
             kv_measured = cache_nbytes(cache)
@@ -623,6 +630,7 @@ def measure(
         "decode_s": decode,
         "total_s": total,
         "peak_rss_gib": peak / GIB,
+        **({} if gpu_peak is None else {"peak_gpu_gib": gpu_peak / GIB}),  # on a GPU, where the model and cache are
         "rss_before_gib": None if rss0 is None else rss0 / GIB,
         "rss_method": rss_method,
         "hf_mla_cache_layout": hf_mla_cache_layout() if is_mla(config) and backend == "hf" else None,
