@@ -83,6 +83,17 @@ def test_two_pass_cannot_stream_layers():
         ConvertOptions(load="layers", calibration="two_pass")
 
 
+@pytest.mark.parametrize("kw", [{"lossless": True}, {"method": "mha2mla", "kv_cache_ratio": 0.25}], ids=["lossless", "mha2mla"])
+def test_layer_streamed_lossless_and_mha2mla(tiny_model_dir, tmp_path, kw):
+    """The two modes whose options normalize to parallel calibration stream too (their check of two_pass once
+    normalized the options inside their own validator: a RecursionError), equal to the in-memory export."""
+    cal = dict(cal_nsamples=8, cal_seqlen=32, cal_batch_size=3, **kw)
+    convert(f"dir:{tiny_model_dir}", tmp_path / "mem", ConvertOptions(**cal), progress=False)
+    convert(f"dir:{tiny_model_dir}", tmp_path / "lay", ConvertOptions(load="layers", **cal), progress=False)
+    a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "lay")
+    assert sorted(a) == sorted(b) and all(torch.allclose(a[k], b[k], atol=1e-4, rtol=1e-4) for k in a)
+
+
 def test_missing_weights_named(tmp_path):
     with pytest.raises(TransMLAError, match="safetensors"):
         LazyCheckpoint(tmp_path)
@@ -174,3 +185,30 @@ def test_embedding_rows_and_lazy_tensors_equal_the_stored_tensor(tiny_model_dir,
         write_safetensors(tmp_path / "held.safetensors", {"e": ckpt.tensor(name, dtype), "n": norm})
         write_safetensors(tmp_path / "lazy.safetensors", {"e": ckpt.lazy(name, dtype, block_rows=3), "n": norm})
         assert (tmp_path / "held.safetensors").read_bytes() == (tmp_path / "lazy.safetensors").read_bytes()
+
+
+def test_layer_streamed_hub_source_reads_its_revision(tmp_path, monkeypatch):
+    """hf:ORG/NAME@REV streamed layer by layer downloads that revision (the in-memory path did, this one read
+    the default branch while the record named @REV)."""
+    import time
+
+    import huggingface_hub
+
+    from transmla.convert import convert_layer_streamed
+    from transmla.io import sources
+
+    calls = []
+
+    class Downloaded(Exception):
+        pass
+
+    def snapshot_download(repo, **kw):
+        calls.append((repo, kw.get("revision")))
+        raise Downloaded
+
+    monkeypatch.setattr(sources, "materialize", lambda src, cache=None: sources.parse_source(src).location)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    with pytest.raises(Downloaded):
+        convert_layer_streamed("hf:org/model@v1.0", tmp_path / "out", ConvertOptions(load="layers"), {},
+                               time.perf_counter(), progress=False)
+    assert calls == [("org/model", "v1.0")] and not (tmp_path / "out").exists()

@@ -175,7 +175,9 @@ class ConvertOptions(Options):
         if self.lossless and budget:  # lossless keeps every RoPE dim and the full rank: a budget would be ignored
             raise ValueError(f"lossless keeps the whole KV cache, so it takes no {' / '.join(budget)} "
                              "(drop --lossless or the budget options)")
-        if self.load == "layers" and self.normalized().calibration == "two_pass":
+        # from the raw fields (normalized() builds new options, which would run this validator again, forever):
+        # MHA2MLA and lossless normalize calibration to parallel
+        if self.load == "layers" and self.calibration == "two_pass" and self.method == "transmla" and not self.lossless:
             raise ValueError("load=layers streams one pass over the layers; two_pass needs a second one "
                              "(use calibration parallel or sequential, or load model)")
         return self

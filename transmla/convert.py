@@ -229,14 +229,16 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
     from transmla.errors import TransMLAError
     from transmla.io.export import write_checkpoint_parts
     from transmla.io.lazy import LazyCheckpoint, load_module, release_module, skeleton
-    from transmla.io.sources import materialize
+    from transmla.io.sources import ModelSource, materialize, parse_source
     from transmla.pipeline.assemble import attention_state_dict, export_config
 
     loc = Path(materialize(source, cache))
-    if not loc.is_dir():  # a hub id: its files, once, in the hub's own cache
+    if not loc.is_dir():  # a hub id: its files, once, in the hub's own cache, at the source's @revision
         from huggingface_hub import snapshot_download
 
-        loc = Path(snapshot_download(str(loc), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        src = source if isinstance(source, ModelSource) else parse_source(source)
+        loc = Path(snapshot_download(str(loc), revision=src.revision,
+                                     allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
     config = AutoConfig.from_pretrained(loc)
     tok = AutoTokenizer.from_pretrained(loc)
     spec = read_spec(config)
