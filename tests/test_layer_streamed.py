@@ -105,6 +105,23 @@ LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidd
              "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
 
 
+def test_plan_counts_every_layers_statistics_where_calibration_collects_them_at_once():
+    """parallel / two_pass calibration hold all layers' D x D float64 input moments beside the model until the
+    export (Llama-2-7B: 4 GiB); sequential one layer's at a time."""
+    from transmla.convert import config_spec, check_request
+    from transmla.pipeline.plan import GIB, conversion_plan
+
+    spec = config_spec(LLAMA2_7B)
+    rates = {"matmul_flops_per_s": 1e11, "eigh_float64_flops_per_s": 1e10}
+    mem = {}
+    for cal in ("sequential", "parallel", "two_pass"):
+        o = ConvertOptions(kv_cache_ratio=0.0703125, calibration=cal, refit=False)
+        mem[cal] = conversion_plan(spec, check_request(spec, o), o, rates).peak_memory_gib["load_model"]
+    held = 32 * (4096 * 4096 + 4096) * 8 / GIB
+    # two_pass and sequential both stream the hidden states: they differ by the held statistics alone
+    assert abs(mem["two_pass"] - mem["sequential"] - held) < 0.01 and mem["parallel"] > mem["sequential"]
+
+
 def test_dry_run_plans_a_7b_from_its_config_alone(tmp_path, capsys):
     """A 7B-shaped config and no weights: the plan (shapes, KV cache, memory of both load modes, time)."""
     from transmla.cli import main

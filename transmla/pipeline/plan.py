@@ -113,7 +113,10 @@ def conversion_plan(spec: GQASpec, budget: Budget, o: ConvertOptions, rates: dic
     mla_layer = D * spec.h * (spec.d + budget.rope_dim) + D * budget.mla_kv + budget.kv_lora_rank * spec.h * 2 * spec.d
     mla_layer += spec.h * spec.d * D + layer - (D * spec.h * spec.d + 2 * D * spec.g * spec.d + spec.h * spec.d * D)
     export_copy = (spec.n_layers * mla_layer + emb + head) * out_bytes if out_bytes != 4 else 0
-    in_memory = P * 4 + hidden + acts + stats + z + export_copy
+    # parallel and two_pass calibration collect every layer's input statistics in one pass and hold them all
+    # beside the model until the export (sequential: one layer's at a time, in `stats`)
+    all_stats = spec.n_layers * (D * D + D) * 8 if n.calibration != "sequential" else 0
+    in_memory = P * 4 + hidden + acts + stats + z + export_copy + all_stats
     per_layer = layer * 4 + mla_layer * out_bytes + hidden + acts + stats + z
     streamed = max(emb * 4 + hidden + acts, per_layer, (emb + head) * out_bytes + emb * 4 // 8)
     passes = {"parallel": 1.0, "two_pass": 2.0, "sequential": 1.5}[n.calibration] + (0.5 if n.refit else 0.0)
