@@ -247,8 +247,8 @@ def main() -> None:
         budgets = [float(b) for b in args.budgets.split(",")]
     except ValueError:
         ap.error(f"--budgets {args.budgets!r}: write KV-cache fractions joined by commas, e.g. 0.3125,0.125")
-    if not all(0 < b < 1 for b in budgets):
-        ap.error(f"--budgets {args.budgets!r}: each fraction of the KV cache kept must be in (0, 1)")
+    if not all(0 < b <= 1 for b in budgets):
+        ap.error(f"--budgets {args.budgets!r}: each fraction of the KV cache kept must be in (0, 1]")
     if args.repeats < 1 or args.ppl_tokens < args.seqlen or args.seqlen < 2:
         ap.error("--repeats must be >= 1, --seqlen >= 2 and --ppl-tokens >= --seqlen (one window)")
     out = Path(args.out or REPO / "reports" / "ablation" / f"{args.model}.json")

@@ -92,8 +92,8 @@ def main() -> None:
     rows = args.rows.split(",")
     if bad := [r for r in rows if r not in ROWS]:
         ap.error(f"unknown rows {bad}: choose from {list(ROWS)}")
-    if not 0 < args.budget < 1:  # before the reference NLL (minutes)
-        ap.error(f"--budget {args.budget}: the fraction of the KV cache kept must be in (0, 1)")
+    if not 0 < args.budget <= 1:  # before the reference NLL (minutes)
+        ap.error(f"--budget {args.budget}: the fraction of the KV cache kept must be in (0, 1]")
     out = Path(args.out or REPO / "reports" / "ablation" / f"{args.model}-positions.json")
     model, tok = load_model(args.model, dtype="float32")
     sets = {"prose": windows(tokenize_corpus(tok, load_texts("c4-demo"))),

@@ -146,8 +146,8 @@ def main() -> None:
     if bad := [r for r in runs if r not in RUNS]:
         ap.error(f"unknown runs {bad}: choose from {list(RUNS)}")
     # bad input is refused before the original model's perplexity (minutes)
-    if not 0 < args.budget < 1:
-        ap.error(f"--budget {args.budget}: the fraction of the KV cache kept must be in (0, 1)")
+    if not 0 < args.budget <= 1:
+        ap.error(f"--budget {args.budget}: the fraction of the KV cache kept must be in (0, 1]")
     if args.checkpoint and not (Path(args.checkpoint) / "config.json").is_file():
         ap.error(f"--checkpoint {args.checkpoint}: no config.json there; pass a `transmla convert --out` directory")
     if args.ppl_tokens < 2048 or args.max_tokens < 1:

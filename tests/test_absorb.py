@@ -141,6 +141,28 @@ def test_prefill_into_an_empty_static_cache_with_key_scale():
     _check_static_cache_prefill(_tiny_qwen3_mla("sdpa"))
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "key_scale"])
+def test_chunks_into_a_dynamic_cache_without_a_mask(tiny_pair, scaled):
+    """A mask function that drops the mask of a continuation (runtime.fast_attention's, flash attention's):
+    chunks of several tokens into a DynamicCache that already holds some are causal from the cache's end."""
+    from transmla.runtime.fast_attention import use_causal_padded_sdpa
+
+    model = _tiny_qwen3_mla("sdpa") if scaled else tiny_pair("llama")[1]
+    impl = model.config._attn_implementation
+    ids = _ids(model, batch=2, n=14)
+    ref = _logprobs(model, ids)
+    use_causal_padded_sdpa(model)
+    try:
+        with absorbed(model), torch.no_grad():
+            cache, out = DynamicCache(config=model.config), []
+            for a, b in ((0, 6), (6, 10), (10, 14)):
+                out.append(model(ids[:, a:b], past_key_values=cache, use_cache=True).logits)
+        got = torch.log_softmax(torch.cat(out, 1).float(), -1)
+    finally:
+        model.set_attn_implementation(impl)
+    assert (got - ref).abs().max() < TOL
+
+
 def _check_static_cache_prefill(model):
     from transformers import StaticCache
 

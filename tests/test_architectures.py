@@ -108,6 +108,9 @@ def test_gguf_header_names_the_architecture_without_dequantising(tmp_path, monke
     with pytest.raises(TransMLAError, match="maps no experts .* has 8 .*uninitialised"):
         convert(f"gguf:{tmp_path / 'm.gguf'}", tmp_path / "out", ConvertOptions(**CAL), progress=False)
     assert "maps no experts" in judge_gguf(str(tmp_path / "m.gguf"), None)[1]
+    # transformers maps qwen2moe's experts: its refusal is the converter's own reason, not the loader's
+    _write_gguf(tmp_path / "q.gguf", "qwen2moe", expert_count=8)
+    assert "shared expert" in judge_gguf(str(tmp_path / "q.gguf"), None)[1]
     assert not (tmp_path / "out").exists()
 
 

@@ -140,6 +140,19 @@ def test_cli_bad_sample_flags_exit_2_naming_the_flag(flags, named, capsys):
     assert named in err and "BENCHMARK=N" in err
 
 
+def test_cli_limits_with_and_without_limit(capsys):
+    """--limits sizes the benchmarks it names beside --limit: with --limit it passes the flag checks (the run
+    then fails on the missing model, not on the flags); without --limit it would be ignored, and is refused."""
+    from transmla.cli import main
+
+    assert main(["eval", "--model", "/nonexistent", "--limit", "170", "--limits", "mmlu=400"]) == 2
+    err = capsys.readouterr().err
+    assert "/nonexistent" in err and "--limits" not in err
+    assert main(["eval", "--model", "/nonexistent", "--limits", "mmlu=400"]) == 2
+    err = capsys.readouterr().err
+    assert "--limits needs --limit" in err and "pass --limit N" in err
+
+
 def test_an_out_folder_holds_one_run(tmp_path):
     """eval --out into the folder of an earlier run: the earlier run's sample files of other tasks do not
     remain beside the new results.json (the folder would mix two runs)."""

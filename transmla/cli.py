@@ -157,7 +157,12 @@ def cmd_eval(args) -> dict:
     # first. --limit goes before --superset, whose check reads it (a bad --limit would be blamed on it).
     check_evaluation(tasks, limit, args.num_fewshot, args.protocol, args.backend, args.tensor_parallel,
                      args.data_parallel, args.parallelize, args.out)
-    limits = _bench_counts("--limits", "limits", args.limits, "write it as BENCHMARK=N[,BENCHMARK=N], e.g. mmlu=400.")
+    # its form and names checked beside any limit (limit or 1); a --limits without --limit is refused apart
+    limits = _bench_counts("--limits", "limits", args.limits, "write it as BENCHMARK=N[,BENCHMARK=N], e.g. mmlu=400.",
+                           limit=limit or 1)
+    if limits and limit is None:
+        raise TransMLAError("--limits needs --limit: without it every document of every benchmark is scored.",
+                            "pass --limit N too (the docs of each benchmark --limits does not name), or drop --limits.")
     superset = _bench_counts("--superset", "reference_limits", args.superset,
                              "write it as BENCHMARK=N[,BENCHMARK=N] with N at least the sample's own size, "
                              "e.g. mmlu=1000 with --limit 146.", limit=limit, limits=limits)

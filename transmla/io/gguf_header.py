@@ -174,7 +174,9 @@ def loader_drops(meta: dict) -> str | None:
 
     arch = meta.get("general.architecture", "")
     experts = meta.get(f"{arch}.expert_count") or 0
-    if experts > 0 and "expert_count" not in GGUF_CONFIG_MAPPING.get(arch.replace("-", "_"), {}):
+    # only llama.cpp's "llama" files carry experts transformers cannot map (its qwen2moe / qwen3moe have mappings,
+    # and those families are refused by the converter's own checks, with their own reasons)
+    if experts > 0 and arch == "llama" and "expert_count" not in GGUF_CONFIG_MAPPING.get("llama", {}):
         return (f"transformers' GGUF loader maps no experts for a {arch!r} file, and this one has {experts} "
                 "(llama.cpp's Mixtral): its MoE layers would load uninitialised")
     rtype = meta.get(f"{arch}.rope.scaling.type")

@@ -358,18 +358,21 @@ def _mask_to(attention_mask, T: int):
     return attention_mask[..., -T:] if attention_mask.shape[-1] != T else attention_mask
 
 
-def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, scaling: float, rank: int) -> torch.Tensor:
+def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, scaling: float, rank: int,
+                     q_offset: int | None = None) -> torch.Tensor:
     """Softmax attention of all heads over one shared latent key; the value is the key's first `rank` dims.
 
     Args:
         query (`torch.Tensor` of shape `[B, h, S, r + R]`): absorbed queries [W_UK^T q_nope ; q_rope].
         latent (`torch.Tensor` of shape `[B, T, r + R]`): cached [c_kv ; k_pe], queries are its last S tokens;
             or `[B, T / 16, r + R, 16]`, a blocked static cache (`runtime.compiled_decode`).
-        attention_mask: None (one query: every key; several: causal from the cache's start, as transformers
-            means it when it drops the mask: T == S or an empty StaticCache's prefill), bool `[B, 1, S, T]`
-            (True = attend) or additive float `[B, 1, S, T]`, as transformers' sdpa / eager mask functions build them.
+        attention_mask: None (causal: query s is the cache's token q_offset + s; one query sees every key),
+            bool `[B, 1, S, T]` (True = attend) or additive float `[B, 1, S, T]`, as transformers' sdpa / eager
+            mask functions build them.
         scaling (`float`): the module's softmax scale.
         rank (`int`): r.
+        q_offset (`int`, *optional*): tokens cached before these queries; None: T - S (the latent holds the
+            written tokens only). An empty preallocated StaticCache returns all its slots: 0 there.
     Returns:
         `torch.Tensor` of shape `[B, h, S, r]`: sum_t p_t c_t per head.
     """
@@ -421,21 +424,25 @@ def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, 
     key = key.expand(B, h, T, E)
     is_causal = False
     if attention_mask is None:
-        # transformers drops the mask of a multi-token step only where causal counted from the cache's start is
-        # right: T == S, or a prefill into an empty StaticCache whose unwritten slots lie past the prompt
-        is_causal = True
+        off = T - S if q_offset is None else int(q_offset)
+        if off == 0:  # SDPA's is_causal counts from the first key: T == S, or an empty StaticCache's prefill
+            is_causal = True
+        else:  # query s is the cache's token off + s
+            pos = torch.arange(S, device=query.device)[:, None] + off
+            attention_mask = (pos >= torch.arange(T, device=query.device)[None, :])[None, None]
     out = F.scaled_dot_product_attention(query, key, key, attn_mask=attention_mask, is_causal=is_causal, scale=scaling)
     return out[..., :rank]
 
 
 def scaled_latent_attention(query: torch.Tensor, latent: torch.Tensor, key_scale: torch.Tensor | None, attention_mask,
-                            scaling: float, rank: int, softcap: float | None = None) -> torch.Tensor:
+                            scaling: float, rank: int, softcap: float | None = None,
+                            q_offset: int | None = None) -> torch.Tensor:
     """`latent_attention` with every score of head j and key t multiplied by key_scale[j, t] (Qwen3's key
     norm) and/or soft-capped, s -> softcap tanh(s / softcap) (Gemma 2), as two batched matmuls over the latent.
 
     Args:
-        query `[B, h, S, r + R]`, latent `[B, T, r + R]`, key_scale `[B, h, T, 1]` or None, attention_mask and
-        scaling as in `latent_attention`, rank r, softcap (optional).
+        query `[B, h, S, r + R]`, latent `[B, T, r + R]`, key_scale `[B, h, T, 1]` or None, attention_mask,
+        scaling and q_offset as in `latent_attention`, rank r, softcap (optional).
     Returns:
         `torch.Tensor` of shape `[B, h, S, r]`.
     """
@@ -445,10 +452,9 @@ def scaled_latent_attention(query: torch.Tensor, latent: torch.Tensor, key_scale
     scores = scores * (scaling if key_scale is None else key_scale.transpose(-1, -2).float() * scaling)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is None:
-        # as in latent_attention: one query sees every key; several are causal from the cache's start (T == S,
-        # or an empty StaticCache's prefill, whose unwritten slots follow the prompt)
-        pos = torch.arange(S, device=query.device)[:, None] + (T - 1 if S == 1 else 0)
+    if attention_mask is None:  # causal, query s at the cache's token q_offset + s (as in latent_attention)
+        off = T - S if q_offset is None or S == 1 else int(q_offset)
+        pos = torch.arange(S, device=query.device)[:, None] + off
         attention_mask = (pos >= torch.arange(T, device=query.device)[None, :])[None, None]
     else:
         attention_mask = _mask_to(attention_mask, T)
@@ -521,9 +527,12 @@ def absorbed_forward(
     k_rot = k_rot.view(B, S, R) if scale is None else torch.cat([k_rot.view(B, S, R), scale], dim=-1)
     latent = torch.cat([c_kv, k_rot], dim=-1)  # [B, S, r + R (+ g)]
 
+    q_offset = None  # the latent holds the written tokens only (T - S before these queries)
     if hasattr(past_key_values, "update_latent"):  # a LatentCache, or runtime.compiled_decode's static one
         latent = past_key_values.update_latent(latent, self.layer_idx, r)  # [B, T, r + R (+ g)]
     elif past_key_values is not None:  # e.g. a DynamicCache: stock layout, joined here
+        if attention_mask is None and S > 1:  # causal from what this layer cached before: a StaticCache returns
+            q_offset = past_key_values.get_seq_length(self.layer_idx)  # every slot, written or not
         c_all, k_all = past_key_values.update(c_kv.view(B, 1, S, r), k_rot.unsqueeze(1), self.layer_idx)
         latent = torch.cat([c_all[:, 0], k_all[:, 0]], dim=-1)
 
@@ -532,12 +541,13 @@ def absorbed_forward(
     if latent.dim() == 4 and (scale is not None or softcap is not None):  # a blocked static cache: rows for these
         latent = unblock_latent(latent)
     if scale is None and softcap is None:
-        out = latent_attention(query, latent, attention_mask, self.scaling, r)  # [B, h, S, r]
+        out = latent_attention(query, latent, attention_mask, self.scaling, r, q_offset)  # [B, h, S, r]
     elif scale is None:
-        out = scaled_latent_attention(query, latent, None, attention_mask, self.scaling, r, softcap)
+        out = scaled_latent_attention(query, latent, None, attention_mask, self.scaling, r, softcap, q_offset)
     else:
         latent, scale = latent.split([r + R, scale.shape[-1]], dim=-1)
-        out = scaled_latent_attention(query, latent, self.head_scale(scale), attention_mask, self.scaling, r, softcap)
+        out = scaled_latent_attention(query, latent, self.head_scale(scale), attention_mask, self.scaling, r, softcap,
+                                      q_offset)
 
     # Values, absorbed: W_UV folded into o_proj (or applied per head on the r-dim result).
     if "absorb_o_weight" in self._buffers:
