@@ -202,10 +202,17 @@ def test_a_work_dir_that_holds_other_files_keeps_them(converted, blocks, tmp_pat
     work = tmp_path / "mine"
     work.mkdir()
     (work / "notes.txt").write_text("keep")
-    (work / "checkpoint-old-style").mkdir()  # not a name the run writes
+    # a checkpoint-* folder the run did not write: the Trainer's rotation (by mtime) would delete it, so the
+    # run is refused before it starts, naming it
+    (work / "checkpoint-old-style").mkdir()
+    with pytest.raises(TransMLAError, match="checkpoint-old-style: the Trainer rotates"):
+        finetune_on_corpora(model, tok, {}, _cfg(max_tokens=2 * 4 * 64, eval_every=1), work, tmp_path / "out",
+                            packed=blocks)
+    assert (work / "checkpoint-old-style").is_dir() and not (tmp_path / "out").exists()
+    (work / "checkpoint-old-style").rmdir()
     finetune_on_corpora(model, tok, {}, _cfg(max_tokens=2 * 4 * 64, eval_every=1), work, tmp_path / "out",
                         packed=blocks)
-    assert sorted(p.name for p in work.iterdir()) == ["checkpoint-old-style", "notes.txt"]
+    assert sorted(p.name for p in work.iterdir()) == ["notes.txt"]
     assert (work / "notes.txt").read_text() == "keep" and (tmp_path / "out" / "model.safetensors").is_file()
     own = tmp_path / "own"  # a work dir the run made is removed once empty
     finetune_on_corpora(load_model(str(converted))[0], tok, {}, _cfg(max_tokens=2 * 4 * 64, eval_every=1), own,

@@ -213,6 +213,9 @@ def cmd_finetune(args) -> dict:
         if work == out or out in work.parents:  # the model is written over --out as a whole, at the end
             raise TransMLAError(f"--work-dir {work} is --out or inside it.",
                                 "give --work-dir a folder outside --out (the default is a hidden sibling of --out).")
+        from transmla.training.finetune import check_work_dir
+
+        check_work_dir(work)  # before any weight loads
     names = [c.strip() for c in args.corpora.split(",") if c.strip()]
     _check_corpora(names, args.data_dir)
     student = source_config(args.model, args.cache_dir)  # configs, not weights: checked before any loads

@@ -825,6 +825,7 @@ def finetune_on_corpora(model, tokenizer, corpora: dict[str, list[str]], cfg: Fi
     from pathlib import Path
 
     check_mla_model(model, cfg)
+    check_work_dir(work_dir)
     train, val, data = packed or pack_corpus(tokenizer, corpora, cfg.seqlen, cfg.val_tokens, cfg.seed)
     record = finetune(model, train, val, cfg, str(work_dir), teacher=teacher)
     record["data"] = data
@@ -835,6 +836,21 @@ def finetune_on_corpora(model, tokenizer, corpora: dict[str, list[str]], cfg: Fi
     save_finetuned(model, tokenizer, out, record)
     remove_run_files(work_dir)
     return record
+
+
+def check_work_dir(work_dir) -> None:
+    """Refuse a work dir holding a `checkpoint-*` folder the run did not write: transformers' Trainer rotates
+    every `checkpoint-*` folder of its output dir by modification time (save_total_limit), so it would delete
+    it (only when the run takes over a second: a test that passed alone failed on a loaded CI host)."""
+    from pathlib import Path
+
+    root = Path(work_dir)
+    foreign = sorted(p.name for p in root.glob("checkpoint-*") if p.is_dir()
+                     and not re.fullmatch(r"checkpoint-\d+", p.name)) if root.is_dir() else []
+    if foreign:
+        raise TransMLAError(f"--work-dir {root} holds {', '.join(foreign)}: the Trainer rotates every checkpoint-* "
+                            "folder of its work dir and would delete it.",
+                            "move it out of that folder, or give --work-dir another folder.")
 
 
 def remove_run_files(work_dir) -> None:
