@@ -55,7 +55,7 @@ def use_masked_padded_sdpa(model):
     return model
 
 
-def additive_mask(att: torch.Tensor, model) -> torch.Tensor:
+def mask_for(att: torch.Tensor, model) -> torch.Tensor:
     """The packed bool mask as the attention implementation reads it: SDPA takes a bool mask (True = attend);
     eager attention (Gemma 2's soft-capped layers) adds the mask to the scores, so it gets 0 / dtype-min."""
     if getattr(model.config, "_attn_implementation", None) in ("sdpa", MASKED_PADDED_SDPA):
@@ -146,7 +146,7 @@ class SharedContextLM(HFLM):
                 att[b, 0, :n, :n] = a
             with torch.no_grad():
                 h = self.model.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
-                                     attention_mask=additive_mask(att, self.model).to(self.device),
+                                     attention_mask=mask_for(att, self.model).to(self.device),
                                      use_cache=False).last_hidden_state
                 choices = [(i, b, where, cont) for b, (_, idx) in enumerate(packs[s : s + bs])
                            for i, (where, cont) in zip(idx, batch[b][3])]

@@ -180,8 +180,9 @@ def loader_drops(meta: dict) -> str | None:
         return (f"transformers' GGUF loader maps no experts for a {arch!r} file, and this one has {experts} "
                 "(llama.cpp's Mixtral): its MoE layers would load uninitialised")
     rtype = meta.get(f"{arch}.rope.scaling.type")
-    if arch != "gpt-oss" and ((rtype and rtype != "none") or "rope_freqs.weight" in meta.get("__tensor_names__", ())):
-        what = f"{rtype} x{meta.get(f'{arch}.rope.scaling.factor')}" if rtype and rtype != "none" else \
+    typed = rtype not in (None, "", "none")
+    if arch != "gpt-oss" and (typed or "rope_freqs.weight" in meta.get("__tensor_names__", ())):
+        what = f"{rtype} x{meta.get(f'{arch}.rope.scaling.factor')}" if typed else \
             "per-frequency factors in rope_freqs.weight, as llama.cpp stores Llama-3.1-style scaling"
         return (f"transformers' GGUF loader drops this file's RoPE scaling ({what}): the model would load with "
                 "plain RoPE, not the one llama.cpp runs")

@@ -403,7 +403,7 @@ def last_checkpoint(output_dir: str) -> str | None:
     root = Path(output_dir)
     if not root.is_dir():
         return None
-    found = sorted((_step_of(str(d)), d) for d in root.glob("checkpoint-*") if d.is_dir() and d.name[11:].isdigit())
+    found = sorted((_step_of(str(d)), d) for d in root.glob("checkpoint-*") if d.is_dir() and _run_checkpoint(d.name))
     for _, d in reversed(found):
         try:
             json.loads((d / "trainer_state.json").read_text())
@@ -838,6 +838,11 @@ def finetune_on_corpora(model, tokenizer, corpora: dict[str, list[str]], cfg: Fi
     return record
 
 
+def _run_checkpoint(name: str) -> bool:
+    """A folder name the Trainer writes its checkpoints under: checkpoint-<step>."""
+    return re.fullmatch(r"checkpoint-\d+", name) is not None
+
+
 def check_work_dir(work_dir) -> None:
     """Refuse a work dir holding a `checkpoint-*` folder the run did not write: transformers' Trainer rotates
     every `checkpoint-*` folder of its output dir by modification time (save_total_limit), so it would delete
@@ -845,8 +850,8 @@ def check_work_dir(work_dir) -> None:
     from pathlib import Path
 
     root = Path(work_dir)
-    foreign = sorted(p.name for p in root.glob("checkpoint-*") if p.is_dir()
-                     and not re.fullmatch(r"checkpoint-\d+", p.name)) if root.is_dir() else []
+    foreign = sorted(p.name for p in root.glob("checkpoint-*") if p.is_dir() and not _run_checkpoint(p.name)) \
+        if root.is_dir() else []
     if foreign:
         raise TransMLAError(f"--work-dir {root} holds {', '.join(foreign)}: the Trainer rotates every checkpoint-* "
                             "folder of its work dir and would delete it.",
@@ -863,7 +868,7 @@ def remove_run_files(work_dir) -> None:
     if not root.is_dir():
         return
     for p in root.iterdir():
-        if p.is_dir() and re.fullmatch(r"(tmp-)?checkpoint-\d+", p.name):
+        if p.is_dir() and _run_checkpoint(p.name.removeprefix("tmp-")):
             shutil.rmtree(p, ignore_errors=True)
         elif p.name in ("run.json", "layerwise.json") or re.fullmatch(r"\.run\.json\.\d+", p.name):
             p.unlink(missing_ok=True)
