@@ -360,6 +360,17 @@ class Profile(Strict):
                     raise ValueError(f"{section}.{what} lists {extra}, which are not in pipeline.{what} {list(available)}")
         return self
 
+    @model_validator(mode="after")
+    def _finetune_device(self):
+        # the fine-tune's own limits on the profile's device fail here, not when its stage starts after the
+        # conversions and evaluations
+        if self.finetune.budgets:
+            try:
+                FinetuneConfig(**self.finetune.config(self.device))
+            except TransMLAError as e:
+                raise ValueError(e.problem + (f" ({e.fix})" if e.fix else "")) from None
+        return self
+
     def convert_options(self, method: str, budget: float | None, **explicit) -> ConvertOptions:
         """The ConvertOptions a (method, budget) of this profile stands for (validated)."""
         algorithm, options = self.methods.row(method)

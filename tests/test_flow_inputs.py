@@ -209,6 +209,19 @@ def test_bad_override_value_names_the_option():
         load_profile(DEFAULT, {"pipeline.budgets": [2]})
 
 
+def test_a_profile_device_the_fine_tune_cannot_use_fails_at_load():
+    """The fine-tune's own refusal of cuda:N (N > 0) came when its stage started, after every conversion and
+    evaluation; a profile that fine-tunes on it now fails where it is read, naming the fix. Without a fine-tune
+    stage the device is the other stages' to use."""
+    from flows.params import load_profile
+
+    with pytest.raises(TransMLAError, match=r"device cuda:1.*CUDA_VISIBLE_DEVICES=1 and device cuda") as e:
+        load_profile(DEFAULT, {"device": "cuda:1"})
+    assert "\n" not in str(e.value) and "Fix:" in str(e.value)
+    p = load_profile(DEFAULT, {"device": "cuda:1", "finetune.budgets": []})
+    assert p.device == "cuda:1" and p.finetune.budgets == ()
+
+
 # ------------------------------------------------------------------ 5. nightly budgets and schedule at load
 
 @pytest.mark.parametrize("override, field", [
