@@ -117,3 +117,41 @@ def test_shared_context_matches_lm_eval_on_eager_softcapped_sliding_gemma2(tiny_
     for (a, ga), (b, gb) in zip(ref, new):
         assert b == pytest.approx(a, abs=1e-4)
         assert ga == gb
+
+
+def test_shared_context_lm_loads_exports_as_load_model_does(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """lm-eval's model loads the checkpoint itself (not through load_model): a lossless export built for another
+    latent-norm eps (a vLLM-padded one's) scores what the original scores only once its recorded eps is applied
+    (transformers' fixed 1e-6 scales its latent by about 3x), and in a fresh process, where nothing has imported
+    transmla.models, a Qwen3 export still loads as the package's class (the benchmarks task could run alone when
+    the perplexity task beside it was a cache hit)."""
+    import subprocess
+    import sys
+
+    from lm_eval.models.huggingface import HFLM
+
+    from test_architectures import _tiny_qwen3
+    from transmla.evaluation.scoring import SharedContextLM
+
+    out = tmp_path / "lossless-eps"
+    convert(str(tiny_model_dir), out, ConvertOptions(lossless=True, latent_norm_eps=1e-5, cal_nsamples=8, cal_seqlen=64,
+                                                     cal_batch_size=4), progress=False)
+    ref_lm = HFLM(pretrained=str(tiny_model_dir), batch_size=4, max_length=64, device="cpu")
+    reqs = _requests(ref_lm)
+    ref = ref_lm._loglikelihood_tokens(reqs, disable_tqdm=True)
+    lm = SharedContextLM(pretrained=str(out), batch_size=3, max_length=64, device="cpu")
+    assert lm.model.model.layers[0].self_attn.kv_a_layernorm.variance_epsilon == 1e-5
+    new = lm._loglikelihood_tokens(reqs, disable_tqdm=True)
+    for (a, ga), (b, gb) in zip(ref, new):
+        assert b == pytest.approx(a, abs=1e-4) and ga == gb
+
+    q3 = tmp_path / "qwen3-mla"
+    convert(str(_tiny_qwen3(tmp_path, tiny_tokenizer)), q3, ConvertOptions(qk_rope_dim=8, kv_lora_rank=16, cal_nsamples=8,
+                                                                         cal_seqlen=64, cal_batch_size=4), progress=False)
+    code = ("import sys\nfrom transmla.evaluation.scoring import SharedContextLM\n"
+            "assert 'transmla.models' not in sys.modules\n"
+            f"lm = SharedContextLM(pretrained={str(q3)!r}, batch_size=2, max_length=64, device='cpu')\n"
+            "print(type(lm.model).__name__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == "Qwen3MLAForCausalLM"

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 from tqdm.auto import tqdm
 
+from transmla.method.diagnostics import use_recorded_latent_norm_eps
+
 HEAD_ROWS = 512  # predicting positions per output-head call: 512 x 49,152 float32 logits = 100 MB (SmolLM2)
 MASKED_PADDED_SDPA = "transmla_masked_padded_sdpa"
 
@@ -102,7 +104,14 @@ class SharedContextLM(HFLM):
     """lm-eval's HFLM with `_loglikelihood_tokens` scoring the choices of each context in one packed sequence."""
 
     def __init__(self, *args, **kwargs):
+        # lm-eval loads the checkpoint itself: as transmla.io.sources.load_model does, with this package's MLA
+        # model types registered (Qwen3 / Gemma / Mixtral exports: otherwise only registered once another task
+        # of the process had loaded a model), from safetensors only, and with the latent norms' recorded eps
+        import transmla.models  # noqa: F401
+
+        kwargs.setdefault("use_safetensors", True)
         super().__init__(*args, **kwargs)
+        use_recorded_latent_norm_eps(self.model)
         use_masked_padded_sdpa(self.model)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):

@@ -725,12 +725,11 @@ def load_model(source: str | ModelSource, dtype: str = "float32", device: str = 
         model = AutoModelForCausalLM.from_pretrained(loc, dtype=getattr(torch, dtype), use_safetensors=True, **kwargs)
     except OSError as e:
         raise _load_error(src, loc, "weights", e) from e
-    if (getattr(model.config, "transmla", None) or {}).get("latent_norm_eps") is not None:
-        # transformers builds the latent norms with a fixed 1e-6; an export built for another eps (a vLLM-padded
-        # one: rms_norm_eps) is a different function until its latent-norm identities get their eps back
-        from transmla.method.diagnostics import use_recorded_latent_norm_eps
+    # transformers builds the latent norms with a fixed 1e-6; an export built for another eps (a vLLM-padded
+    # one: rms_norm_eps) is a different function until its latent-norm identities get their eps back
+    from transmla.method.diagnostics import use_recorded_latent_norm_eps
 
-        use_recorded_latent_norm_eps(model)
+    use_recorded_latent_norm_eps(model)
     model.to(device).eval()
     return model, tok
 

@@ -19,11 +19,15 @@ def latent_norms(model):
                 yield layer.self_attn, name, norm
 
 
-def use_recorded_latent_norm_eps(model) -> float:
+def use_recorded_latent_norm_eps(model) -> float | None:
     """Set the eps of every kv_a_layernorm / q_a_layernorm of a transformers DeepseekV3 model to the one its
     latent-norm identities were built for (`config.transmla.latent_norm_eps`); transformers otherwise uses
-    a fixed 1e-6. Returns the eps. A no-op for exports built for 1e-6 (the default)."""
-    eps = float(model.config.transmla["latent_norm_eps"])
+    a fixed 1e-6. Returns the eps. A no-op for exports built for 1e-6 (the default); None, touching nothing,
+    for a model that records no eps (not this package's export: an original, a genuine DeepSeek)."""
+    meta = getattr(model.config, "transmla", None)
+    if not isinstance(meta, dict) or meta.get("latent_norm_eps") is None:
+        return None
+    eps = float(meta["latent_norm_eps"])
     for _, _, norm in latent_norms(model):
         norm.variance_epsilon = eps
     return eps

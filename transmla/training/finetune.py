@@ -183,9 +183,7 @@ def unfold_latent_norms(model) -> int:
     recorded (config.transmla.latent_norm_eps; a vLLM-padded export's is rms_norm_eps, not transformers'
     1e-6): the model's function is unchanged to NORM_TOL. Returns the number of norms unfolded.
     """
-    meta = getattr(model.config, "transmla", None)
-    if isinstance(meta, dict) and "latent_norm_eps" in meta:
-        use_recorded_latent_norm_eps(model)
+    use_recorded_latent_norm_eps(model)
     n = 0
     for attn, norm_name, proj_name, r in list(_latent_norms(model)):
         norm, proj = getattr(attn, norm_name), getattr(attn, proj_name)
