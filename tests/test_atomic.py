@@ -102,3 +102,22 @@ def test_a_written_folder_has_a_plain_mkdir_mode(tmp_path):
         os.umask(old)
     assert (tmp_path / "model").stat().st_mode & 0o777 == 0o755
     assert (tmp_path / "model2").stat().st_mode & 0o777 == 0o755
+
+
+def test_a_folder_that_cannot_be_moved_into_place_is_an_error(tmp_path, monkeypatch):
+    """atomic_dir retried a failing rename 100 times, then removed its temporary folder and returned as if the
+    output had been written."""
+    from pathlib import Path
+
+    real = Path.rename
+
+    def refuse(self, target):
+        if Path(target).name == "out":
+            raise PermissionError(13, "Permission denied")
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", refuse)
+    with pytest.raises(OSError, match="could not move"):
+        with atomic_dir(tmp_path / "out") as tmp:
+            (tmp / "weights").write_text("w")
+    assert os.listdir(tmp_path) == []

@@ -116,8 +116,11 @@ def atomic_dir(final: str | os.PathLike):
             try:
                 tmp.rename(final)
                 break
-            except OSError:  # another writer renamed theirs in between: replace it again
+            except OSError as e:  # another writer renamed theirs in between: replace it again
+                err = e
                 continue
+        else:  # never returns as if written when the output is not there (the finally removes ours)
+            raise OSError(f"could not move {tmp} to {final} (last error: {err})") from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
