@@ -246,6 +246,20 @@ def test_budget_shorthand_reproduces_paper_settings():
     assert (b.rope_dim, b.kv_lora_rank) == (16, 16)
 
 
+
+def test_budget_errors_blame_what_was_given():
+    """qk_rope_dim over a ratio's whole budget was reported as an impossible kv_lora_rank (-19) the user never set;
+    a rank alone on a head dim of 2 mod 4 defaulted the RoPE dim to an odd d/2 and refused that."""
+    from transmla.adapters import GQASpec
+
+    spec = GQASpec("llama", 256, 4, 2, 64, 2, 1e4, 1e-5, 100, 512, "silu", 512, True, 1, 2, None)
+    with pytest.raises(TransMLAError, match=r"qk_rope_dim=32 leaves none for the latent.*Fix: lower --qk-rope-dim"):
+        resolve_budget(spec, ConvertOptions(kv_cache_ratio=0.05, qk_rope_dim=32))
+    odd_half = GQASpec("llama", 360, 4, 2, 90, 2, 1e4, 1e-5, 100, 512, "silu", 512, True, 1, 2, None)
+    b = resolve_budget(odd_half, ConvertOptions(kv_lora_rank=50, freqfold=1))
+    assert (b.rope_dim, b.kv_lora_rank) == (30, 50)
+
+
 @pytest.mark.parametrize(
     "opts, words",
     [

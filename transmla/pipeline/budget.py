@@ -43,6 +43,12 @@ def check_mode(spec: GQASpec, o: ConvertOptions) -> None:
                             "drop --q-lora-rank.")
 
 
+def _largest_rope_dim(d: int, cap: float) -> int | None:
+    """The largest RoPE dim d/c (c divides d, even) not above cap; None when none is."""
+    options = [d // c for c in range(1, d + 1) if d % c == 0 and (d // c) % 2 == 0 and d // c <= cap]
+    return max(options, default=None)
+
+
 def resolve_budget(spec: GQASpec, o: ConvertOptions) -> Budget:
     """Pick RoPE dim and rank from the options; one clear error for anything impossible.
 
@@ -68,11 +74,14 @@ def resolve_budget(spec: GQASpec, o: ConvertOptions) -> Budget:
         ratio = 0.25 if o.kv_cache_ratio is None else o.kv_cache_ratio
         B = round(ratio * 2 * L)
         if R is None:
-            options = [d // c for c in range(1, d + 1) if d % c == 0 and (d // c) % 2 == 0 and d // c <= min(d // 2, B / 2)]
-            if not options:
+            R = _largest_rope_dim(d, min(d // 2, B / 2))
+            if R is None:
                 raise TransMLAError(f"kv_cache_ratio={ratio} leaves {B} values per token: too few for any RoPE dim.",
                                     "raise --kv-cache-ratio.")
-            R = max(options)
+        elif R >= B:  # the RoPE dims alone fill the budget: no room for a latent
+            raise TransMLAError(f"kv_cache_ratio={ratio} means {B} cached values per token, and qk_rope_dim={R} "
+                                "leaves none for the latent.",
+                                f"lower --qk-rope-dim below {B} (or drop it) or raise --kv-cache-ratio.")
         if r is None:
             r = B - R
         elif R + r != B:  # an explicit rank that disagrees with the ratio's budget: neither may win silently
@@ -83,8 +92,10 @@ def resolve_budget(spec: GQASpec, o: ConvertOptions) -> Budget:
                 f"give either --kv-cache-ratio or --kv-lora-rank, not both (with the ratio and qk_rope_dim={R}, "
                 f"kv_lora_rank is {B - R}).",
             )
-    elif R is None:
-        R = d // 2
+    elif R is None:  # half the head dim, or the largest RoPE dim a head of this size can have under it
+        R = _largest_rope_dim(d, d // 2)
+        if R is None:
+            raise TransMLAError(f"head_dim={d} has no RoPE dim to keep.", "check head_dim in the source's config.json.")
     elif r is None:
         r = 2 * L - R  # full rank: only RoPE is dropped
     plan = standard_plan(d, R)
