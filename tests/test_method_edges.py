@@ -103,6 +103,27 @@ def test_query_metric_rorope_with_a_query_less_frequency_group(freqfold):
         assert _rel(out, _gqa(x, w, h, g, d, cos, sin)) < 1e-8
 
 
+@pytest.mark.parametrize("metric", ["key", "query"])
+@pytest.mark.parametrize("freqfold", [1, 2, 4])
+@pytest.mark.parametrize("g", [1, 2])
+def test_every_coordinate_kept_is_exact_at_any_freqfold(g, freqfold, metric):
+    """RoPE on every coordinate of the merged key at full rank (one KV head with RoPE on all d dims: MQA, Gemma 3
+    270M / 1B; or the lossless plan): every FreqFold group keeps all its coordinates, so the layer converts exactly.
+    The group's PCA mixed its M frequencies into components that each rotate at one of them (relative error 0.2 at
+    M = 2, 0.36 at M = 4 for one KV head) while the RoPE energy still read 1.0."""
+    h, d, D, T = 4, 16, 32, 24
+    w = _weights(h, g, d, D)
+    x, m = _inputs(T, D)
+    plan = lossless_plan(d, g)
+    if g == 1:
+        assert plan == standard_plan(d, d)
+    R = 2 * len(plan)
+    layer, rot, _ = _convert(w, m, _spec(h, g, d, D), plan, 2 * g * d - R, freqfold, metric)
+    cos, sin = _cos_sin(T, d)
+    out = mla_attention(x, layer.to_tensors(), MLAShapes(h, d, R, 2 * g * d - R, 1e-6, tuple(plan)), cos, sin)
+    assert _rel(out, _gqa(x, w, h, g, d, cos, sin)) < 1e-8 and rot.energy == pytest.approx(1.0)
+
+
 def test_query_less_group_takes_the_key_pca():
     """The fallback group's rows are exactly the key metric's; the other groups keep the query metric."""
     torch.manual_seed(0)

@@ -122,6 +122,16 @@ def rorope(cov_k: torch.Tensor, g: int, d: int, plan: list[int], freqfold: int =
                 f"{len(slots)} RoPE pairs planned in a frequency group with only {U.shape[1]} components.",
                 "lower qk_rope_head_dim or raise freqfold.",
             )
+        if freqfold > 1 and len(slots) == A.shape[0]:
+            # every coordinate of the group keeps RoPE (e.g. one KV head with all M frequencies planned): the exact
+            # basis is none at all, each coordinate at its own frequency; the PCA would mix M frequencies into
+            # components that each rotate at one of them, losing a layer that converts exactly
+            seen: dict[int, int] = {}
+            order = []
+            for p in slots:  # coordinate (head i, frequency l) is row (l - first) * g + i of the group (re)
+                i = seen[plan[p]] = seen.get(plan[p], -1) + 1
+                order.append((plan[p] - freqs.start) * g + i)
+            A = B = torch.eye(A.shape[0], dtype=torch.float64)[order]
         for a in range(A.shape[0]):
             if a < len(slots):
                 r_re, r_im = slots[a], R // 2 + slots[a]
