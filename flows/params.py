@@ -25,7 +25,7 @@ DEFAULT_PARAMS = REPO_ROOT / "params" / "default.yaml"
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # a float is finite: inf passed gt=0
 
 
 class MHA2MLAParams(Strict):
@@ -47,7 +47,7 @@ class MethodsParams(Strict):
     """Options of each row: `transmla` is the paper's TransMLA (parallel calibration, no refit);
     `transmla-refit` calibrates layer by layer, in attention's metric, with the output refit (W_UV and o_proj)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
     transmla: TransMLAOptions = TransMLAOptions(**PAPER_TRANSMLA)
     mha2mla: MHA2MLAParams = MHA2MLAParams()
@@ -157,6 +157,14 @@ class FinetuneParams(FinetuneConfig):
 
     _decimal = field_validator("budgets", mode="before")(_decimal_budgets)
     max_documents: int | None = Field(None, ge=1)  # per corpus; hub corpora are streamed up to it
+
+    @field_validator("device")
+    @classmethod
+    def _no_own_device(cls, v):
+        # FinetuneConfig's field, but a profile has one device, which `config` puts in its place (a default is not
+        # validated: only a device given here gets this far)
+        raise ValueError("the fine-tune runs on the profile's device: set the top-level device: (or -S device=...), "
+                         "not finetune.device")
 
     def config(self, device: str) -> dict:
         """The FinetuneConfig fields (what defines the training run)."""

@@ -290,3 +290,24 @@ def test_finetune_refuses_a_teacher_of_another_vocabulary_before_loading(llama_d
     (student / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "vocab_size": vocab}))
     with pytest.raises(WeightsTouched):
         main(argv)
+
+
+def test_finetune_refuses_a_teacher_of_an_unsupported_architecture_before_loading(work, capsys, no_weights):
+    """A GPT-2 teacher loaded and failed mid-training ('GPT2LMHeadModel' object has no attribute 'model')."""
+    root, common = work
+    teacher = root.parent / f"{root.name}-gpt2"
+    teacher.mkdir()
+    (teacher / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    _refused(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora", "wikitext2-train",
+              "--teacher", str(teacher), *common], capsys, root, "teacher's architecture 'gpt2'")
+
+
+@pytest.mark.parametrize("cmd, flag", [("finetune", "--lr"), ("finetune", "--epochs"), ("convert", "--latent-norm-eps")])
+def test_an_infinite_number_is_refused_before_any_work(llama_dir, work, capsys, no_weights, cmd, flag):
+    """inf passed every gt=0 check: --lr inf trained to NaN weights and exited 0, --epochs inf overflowed after
+    loading, --latent-norm-eps inf failed the conversion as 'degenerate statistics'."""
+    root, common = work
+    model = str(_mla_dir(root)) if cmd == "finetune" else str(llama_dir)
+    extra = ["--corpora", "wikitext2-train"] if cmd == "finetune" else []
+    _refused([cmd, "--model", model, "--out", str(root / "o"), flag, "inf", *extra, *common], capsys, root,
+             "finite number", flag.lstrip("-").replace("-", "_"))

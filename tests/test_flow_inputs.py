@@ -220,6 +220,9 @@ def test_a_profile_device_the_fine_tune_cannot_use_fails_at_load():
     assert "\n" not in str(e.value) and "Fix:" in str(e.value)
     p = load_profile(DEFAULT, {"device": "cuda:1", "finetune.budgets": []})
     assert p.device == "cuda:1" and p.finetune.budgets == ()
+    # the section's own device (a FinetuneConfig field) was validated and then replaced by the profile's
+    with pytest.raises(TransMLAError, match=r"finetune\.device: .*set the top-level device"):
+        load_profile(DEFAULT, {"finetune.device": "cuda"})
 
 
 # ------------------------------------------------------------------ 5. nightly budgets and schedule at load

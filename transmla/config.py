@@ -35,7 +35,7 @@ FINETUNE_CORPORA = ("c4-demo", "wiki-demo", "wikitext2-train")
 class Options(BaseModel):
     """Frozen, no unknown keys; direct construction reports bad values as one TransMLAError."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # a float is finite: inf passed gt=0
 
     def __init__(self, **data):
         try:

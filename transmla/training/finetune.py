@@ -304,6 +304,13 @@ def check_teacher_config(student: dict, teacher: dict, cfg: FinetuneConfig | Non
     next-token distributions, so their vocabularies must agree, and per-layer attention fitting (cfg's
     attn_weight or layerwise_epochs) pairs their layers, so then their depth and width must too (the loaded
     models are checked again)."""
+    from transmla.adapters import SUPPORTED
+    from transmla.models import MODEL_TYPES
+
+    mt = teacher.get("model_type")
+    if mt not in SUPPORTED and mt != "deepseek_v3" and mt not in MODEL_TYPES:  # its decoder is read layer by layer
+        raise TransMLAError(f"The teacher's architecture {mt!r} is not one this package converts or exports.",
+                            "pass the original model the student was converted from as the teacher.")
     s, t = (c.get("text_config", c) for c in (student, teacher))
     if s.get("vocab_size") is not None and t.get("vocab_size") is not None and s["vocab_size"] != t["vocab_size"]:
         raise TransMLAError(
