@@ -105,3 +105,40 @@ def test_directory_corpus_reads_text_files_in_order(tmp_path):
     empty.mkdir()
     with pytest.raises(TransMLAError, match="No text files"):
         calibration_corpora(f"path:{empty}")
+
+
+@pytest.mark.parametrize("content, words", [
+    (b'{"text": "a"}\n{"text": "b"\n', ":2 is not JSON"),
+    (b'{"text": "a"}\n{"body": "b"}\n', ":2 has no string 'text' field"),
+    (b'{"text": null}\n', ":1 has no string 'text' field"),
+    (b'[1, 2]\n', ":1 is not a JSON object"),
+    (b'{"text": "caf\xe9"}\n', "is not UTF-8"),
+])
+def test_a_malformed_data_file_is_one_error_naming_the_line(tmp_path, monkeypatch, content, words):
+    """A truncated line, a row without its text, a non-object row or Latin-1 bytes raised the parser's own error
+    (JSONDecodeError, KeyError, TypeError, UnicodeDecodeError: a traceback from the CLI, after the model loaded)."""
+    from transmla.io.data import spec
+
+    bad = tmp_path / spec("wikitext2-test").local_file
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(content)
+    monkeypatch.setenv("TRANSMLA_DATA_DIR", str(tmp_path))
+    with pytest.raises(TransMLAError, match=words) as e:
+        load_texts("wikitext2-test")
+    assert str(bad) in str(e.value) and "Fix:" in str(e.value)
+    rows = tmp_path / "rows.JSONL"
+    rows.write_bytes(content)
+    with pytest.raises(TransMLAError, match=words):
+        calibration_corpora(f"path:{rows}")
+
+
+def test_a_byte_order_mark_and_an_upper_case_suffix_are_read(tmp_path, monkeypatch):
+    from transmla.io.data import spec
+
+    f = tmp_path / spec("wikitext2-test").local_file
+    f.parent.mkdir(parents=True)
+    f.write_bytes(b'\xef\xbb\xbf{"text": "one"}\n{"text": ""}\n')
+    monkeypatch.setenv("TRANSMLA_DATA_DIR", str(tmp_path))
+    assert load_texts("wikitext2-test") == ["one", ""]
+    (tmp_path / "rows.JSONL").write_text('{"text": "one"}\n{"text": "two"}\n')
+    assert calibration_corpora(f"path:{tmp_path / 'rows.JSONL'}") == [["one", "two"]]

@@ -160,12 +160,35 @@ def load_rows(name: str, data_dir_override=None, source: str | None = None, revi
         revision = revision or s.hub_revision
         return [dict(r) for r in _hub_dataset(s, revision)]
     path = local_path(name, data_dir_override)
-    with open(path, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_jsonl(path, field=s.text_field)
     if not rows:  # an emptied file would score no document or no token, and fail far from here
         raise TransMLAError(f"Data file {path} (data set {name!r}) holds no rows.",
                             "restore it from the offline data (../shared/data), or point --data-dir "
                             f"({DATA_DIR_ENV}, the `data_dir` param) at a complete copy.")
+    return rows
+
+
+def read_jsonl(path: Path, field: str | None = None) -> list[dict]:
+    """The rows of a JSONL file (a UTF-8 byte-order mark allowed), each a JSON object with, if `field` is given, a
+    string there; a line that is not is one error naming the file and line, not a parser's traceback."""
+    fix = "repair or replace the file: one JSON object per line" + (f" with a string {field!r}" if field else "") + "."
+    rows = []
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    raise TransMLAError(f"{path}:{i} is not JSON ({e.msg}).", fix) from None
+                if not isinstance(row, dict):
+                    raise TransMLAError(f"{path}:{i} is not a JSON object.", fix)
+                if field is not None and not isinstance(row.get(field), str):
+                    raise TransMLAError(f"{path}:{i} has no string {field!r} field.", fix)
+                rows.append(row)
+    except UnicodeDecodeError as e:
+        raise TransMLAError(f"{path} is not UTF-8 text (byte {e.start} of a line).", fix) from None
     return rows
 
 
@@ -243,14 +266,7 @@ def path_texts(part: str) -> list[str]:
 
 def _path_texts(path: Path) -> list[str]:
     if path.is_file():
-        if path.suffix == ".jsonl":
-            with open(path, encoding="utf-8") as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-            if not all(isinstance(r, dict) and isinstance(r.get("text"), str) for r in rows):
-                raise TransMLAError(f"{path}: every JSONL row needs a string 'text' field.",
-                                    "write one {\"text\": ...} per line.")
-            return [r["text"] for r in rows]
-        return [path.read_text(encoding="utf-8", errors="replace")]
+        return _file_texts(path)
     texts, total = [], 0
     for f in sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
                     and not any(part.startswith(".") for part in p.relative_to(path).parts)):
@@ -262,6 +278,14 @@ def _path_texts(path: Path) -> list[str]:
         raise TransMLAError(f"No text files under {path} (suffixes: {', '.join(sorted(TEXT_SUFFIXES))}).",
                             "point path: at a directory of source or text files, or at one file.")
     return texts
+
+
+def _file_texts(path: Path) -> list[str]:
+    """A JSONL file's rows' 'text' fields; any other file whole, as text (a directory's .jsonl files are not read:
+    in a source tree they are data, not its text)."""
+    if path.suffix.lower() == ".jsonl":
+        return [r["text"] for r in read_jsonl(path, field="text")]
+    return [path.read_text(encoding="utf-8", errors="replace")]
 
 
 def calibration_corpora(name: str, data_dir_override=None, source: str | None = None,
