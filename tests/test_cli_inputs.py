@@ -167,7 +167,8 @@ def test_eval_refuses_no_tasks_and_negative_fewshot(llama_dir, work, capsys, no_
 
 
 @pytest.mark.parametrize("cmd", ["convert", "ppl", "eval", "finetune"])
-@pytest.mark.parametrize("device, words", [("foo", "not a torch device"), ("cuda:7", "no such CUDA device")])
+@pytest.mark.parametrize("device, words", [("foo", "not a torch device"), ("cuda:7", "no such CUDA device"),
+                                           ("mps", "no mps device"), ("xpu", "no xpu device")])
 def test_a_device_this_machine_lacks_is_refused_before_any_work(llama_dir, work, capsys, no_weights, cmd, device, words):
     root, common = work
     model = str(_mla_dir(root)) if cmd == "finetune" else str(llama_dir)

@@ -18,7 +18,12 @@ def check_device(device: str, setting: str = "--device", pass_cpu: str = "pass -
     if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
         raise TransMLAError(f"{setting} {device}: no such CUDA device here ({torch.cuda.device_count()} visible).",
                             f"{pass_cpu}, or run on a machine with that GPU.")
-    if dev.type not in ("cpu", "cuda", "mps", "xpu"):
+    if dev.type in ("mps", "xpu"):  # torch parses them on any build: whether this one runs them is another matter
+        backend = getattr(torch.backends, "mps") if dev.type == "mps" else getattr(torch, "xpu", None)
+        if backend is None or not backend.is_available():
+            raise TransMLAError(f"{setting} {device}: this machine's torch has no {dev.type} device.",
+                                f"{pass_cpu}, or run on a machine with one.")
+    elif dev.type not in ("cpu", "cuda"):
         raise TransMLAError(f"{setting} {device!r}: the pipeline runs on cpu or cuda.", "pass cpu or cuda.")
 
 
