@@ -312,3 +312,23 @@ def test_an_infinite_number_is_refused_before_any_work(llama_dir, work, capsys, 
     extra = ["--corpora", "wikitext2-train"] if cmd == "finetune" else []
     _refused([cmd, "--model", model, "--out", str(root / "o"), flag, "inf", *extra, *common], capsys, root,
              "finite number", flag.lstrip("-").replace("-", "_"))
+
+
+def test_ppl_refuses_missing_data_before_loading(llama_dir, work, capsys, no_weights):
+    """The WikiText-2 file was first read after the model had loaded (minutes for a large one)."""
+    root, common = work
+    _refused(["ppl", "--model", str(llama_dir), "--out", str(root / "r.json"), *common[:2], "--data-dir",
+              str(root / "no-data")], capsys, root, "no-data")
+
+
+@pytest.mark.parametrize("content", ["", "  \n", '{"text": "a"}\n{"text": 3}\n'])
+def test_convert_refuses_an_empty_or_broken_calibration_path_before_loading(llama_dir, work, capsys, no_weights, content,
+                                                                            tmp_path_factory):
+    """A path: calibration part was read only after the model loaded; an empty one then failed with the fix
+    'lower --cal-seqlen'."""
+    root, common = work
+    f = tmp_path_factory.mktemp("cal") / "cal.jsonl"
+    f.write_text(content)
+    words = ["has no string 'text'"] if content.startswith("{") else ["holds no text", "path:"]
+    _refused(["convert", "--model", str(llama_dir), "--out", str(root / "o"), "--cal-dataset", f"path:{f}", *common],
+             capsys, root, *words)

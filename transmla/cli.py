@@ -70,6 +70,7 @@ def cmd_fetch_model(args) -> dict:
 
 def cmd_ppl(args) -> dict:
     from transmla.evaluation.perplexity import check_windows, wikitext2_perplexity
+    from transmla.io.data import load_texts
     from transmla.io.paths import check_output
     from transmla.io.sources import load_model, source_info
 
@@ -77,9 +78,10 @@ def cmd_ppl(args) -> dict:
     check_windows(args.seqlen, args.max_tokens)
     if args.out:
         check_output(args.out, "file")
+    texts = load_texts("wikitext2-test", args.data_dir)  # a missing or broken data file, too
     info = source_info(args.model, cache=args.cache_dir)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, cache=args.cache_dir)
-    out = wikitext2_perplexity(model, tok, seqlen=args.seqlen, max_tokens=args.max_tokens, data_dir=args.data_dir)
+    out = wikitext2_perplexity(model, tok, seqlen=args.seqlen, max_tokens=args.max_tokens, texts=texts)
     out["model"] = args.model
     out["content_hash"] = info.get("content_hash")
     return out

@@ -84,11 +84,12 @@ def perplexity(
     }
 
 
-def wikitext2_perplexity(model, tokenizer, seqlen=2048, max_tokens=None, data_dir=None, progress=True) -> dict:
-    """Perplexity on the WikiText-2 (raw) test split from the data registry."""
+def wikitext2_perplexity(model, tokenizer, seqlen=2048, max_tokens=None, data_dir=None, progress=True,
+                         texts: list[str] | None = None) -> dict:
+    """Perplexity on the WikiText-2 (raw) test split from the data registry (`texts`: its rows, read already)."""
     from transmla.io.data import load_texts
 
-    ids = tokenize_corpus(tokenizer, load_texts("wikitext2-test", data_dir))
+    ids = tokenize_corpus(tokenizer, texts if texts is not None else load_texts("wikitext2-test", data_dir))
     out = perplexity(model, ids, seqlen=seqlen, max_tokens=max_tokens, progress=progress)
     out["dataset"] = "wikitext2-test"
     out["corpus_tokens"] = int(ids.numel())

@@ -251,8 +251,12 @@ def check_calibration_files(name: str, data_dir_override=None, source: str | Non
     """Every part of a calibration spec is there to read: registry names known (and, offline, their local
     files present), path: parts existing. Cheap; run before any model is loaded."""
     for p in calibration_parts(name):
-        if not p.startswith(PATH_PREFIX) and _source(source) == "local":
-            local_path(p, data_dir_override)
+        if not p.startswith(PATH_PREFIX):
+            if _source(source) == "local":
+                local_path(p, data_dir_override)
+        elif not any(t.strip() for t in path_texts(p)):  # read (at most MAX_PATH_CHARS): an empty file, a bad row
+            raise TransMLAError(f"Calibration path {p.removeprefix(PATH_PREFIX)!r} holds no text (in {name!r}).",
+                                "point path: at a file or directory with the text to calibrate on.")
 
 
 def _path_of(part: str) -> Path:
