@@ -256,6 +256,9 @@ def test_finetune_refuses_a_split_the_corpora_cannot_give_before_loading(llama_d
             "--data-dir", str(data), "--seqlen", "32", *common]
     _refused([*argv, "--val-tokens", "100000000"], capsys, root, "--val-tokens 100000000", "leaves no training",
              "lower --val-tokens")
+    # a block longer than the corpora blamed --val-tokens (its default 16384 then "left no training tokens")
+    _refused([a if a != "32" else "100000000" for a in argv], capsys, root, "--seqlen 100000000", "fewer than two blocks",
+             "lower --seqlen")
     _refused([*argv, "--val-tokens", "64", "--max-tokens", "100000000"], capsys, root, "--max-tokens 100000000",
              "lower --max-tokens to at most", "--epochs repeats them")
     with pytest.raises(WeightsTouched):  # a split the corpora give: the next step is loading the model

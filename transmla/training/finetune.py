@@ -80,6 +80,9 @@ def pack_corpus(tokenizer, corpora: dict[str, list[str]], seqlen: int, val_token
             for name, texts in corpora.items()}
     total = sum(len(t) for ds in docs.values() for t in ds)
     n_val = math.ceil(val_tokens / seqlen)
+    if 2 * seqlen > total:  # one block to train on and one to validate on, whatever val_tokens says
+        raise TransMLAError(f"{setting('seqlen')} {seqlen}: the corpora hold {total} tokens, fewer than two blocks.",
+                            f"lower {setting('seqlen')} or add data.")
     if n_val * seqlen >= total:
         raise TransMLAError(f"{setting('val_tokens')} {val_tokens} leaves no training tokens (the corpora hold "
                             f"{total}).", f"lower {setting('val_tokens')}.")
