@@ -3,7 +3,7 @@
     perplexity (WikiText-2 test) + benchmarks (six Table-1 benchmarks via lm-eval) -> metrics JSON
 
     python -m flows.evaluate --model smollm2-135m --method original
-    python -m flows.evaluate --model smollm2-135m --method transmla --budget 0.125 [--checkpoint DIR]
+    python -m flows.evaluate --model smollm2-135m --method transmla --budget 0.125 [--checkpoint DIR --out FILE]
     python -m flows.evaluate --model smollm2-135m --method transmla --budget 0.125 --finetuned   (re-eval)
 """
 
@@ -65,11 +65,17 @@ def model_under_test(profile: Profile, model: str, method: str, budget: float | 
 @flow(name="evaluate")
 def evaluate(profile: Profile, model: str, method: str, budget: float | None = None, checkpoint: str | None = None,
              out: str | None = None, finetuned: bool = False) -> dict:
+    if checkpoint is not None and out is None:
+        raise TransMLAError(f"--checkpoint {checkpoint} is not the pipeline's model: its metrics would replace the "
+                            "pipeline's row.", "pass --out FILE for its metrics JSON.")
     model_ref, conversion = model_under_test(profile, model, method, budget, checkpoint, finetuned)
     ev = evaluate_ref(profile, model_ref, profile.model(model).dtype, reference=method == "original")
     row = table_row(model, method, budget, ev["ppl"], ev["benchmarks"], conversion, profile.evaluation.limit)
     row["case_study"] = ev["case_study"]
-    write_text_atomic(out or layout.metrics_file(model, method, budget, finetuned), json.dumps(row, indent=2))
+    if out is not None:  # a one-off run (another sample, another checkpoint): never the pipeline's row, logs or run
+        write_text_atomic(out, json.dumps(row, indent=2))
+        return row
+    write_text_atomic(layout.metrics_file(model, method, budget, finetuned), json.dumps(row, indent=2))
     publish(ev["bench_ref"], layout.eval_dir(model, method, budget, finetuned))  # per-sample logs
     tracking.track(profile.mlflow.experiment, model, method, budget, finetuned=finetuned,
                    tags={"eval." + k: v for k, v in profile.evaluation.model_dump().items()},
@@ -79,5 +85,7 @@ def evaluate(profile: Profile, model: str, method: str, budget: float | None = N
 
 if __name__ == "__main__":
     _cli.entry(evaluate, __doc__, variant="or-original", new_outputs={"out": "new_file"},
-               checkpoint="model dir (default artifacts/<model>/<method>-<budget>[-ft]/model)",
-               finetuned="flag: evaluate the fine-tuned model", out="metrics JSON (default reports/metrics/...)")
+               checkpoint="model dir (default artifacts/<model>/<method>-<budget>[-ft]/model; another needs --out)",
+               finetuned="flag: evaluate the fine-tuned model",
+               out="metrics JSON of a one-off run (default: the pipeline's row, reports/metrics/..., with its "
+                   "per-sample logs and MLflow run)")

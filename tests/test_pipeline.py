@@ -315,6 +315,33 @@ def test_evaluation_cache_keys(tmp_path, tiny_dir, monkeypatch):
     assert count.take() == {"ppl": 1}
 
 
+def test_a_one_off_evaluation_leaves_the_pipelines_row_alone(tmp_path, tiny_dir, monkeypatch):
+    """An evaluation with --out (another sample here; another checkpoint, which needs --out) wrote its file and
+    then replaced the pipeline's per-sample logs (a DVC out) and its MLflow metrics with the one-off's."""
+    import mlflow
+
+    from flows.evaluate import evaluate
+    from flows.params import load_profile
+
+    monkeypatch.chdir(tmp_path)
+    prof = load_profile(write_profile(tmp_path, tiny_dir, "oneoff"))
+    row = evaluate(prof, "oneoff", "original")
+    logs = tmp_path / "artifacts/oneoff/original/eval"
+    listing = sorted(p.relative_to(logs) for p in logs.rglob("*"))
+    runs = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.model` = 'oneoff' and tags.`transmla.method` = 'original'")
+    assert len(runs) == 1 and runs["metrics.wikitext2_ppl"].iloc[0] == pytest.approx(row["ppl"])
+    one_off = evaluate(load_profile(write_profile(tmp_path, tiny_dir, "oneoff"), {"evaluation.ppl_max_tokens": 384}), "oneoff",
+                       "original", out=str(tmp_path / "one-off.json"))
+    assert one_off["ppl"] != row["ppl"]
+    assert json.loads((tmp_path / "one-off.json").read_text())["ppl"] == one_off["ppl"]
+    assert json.loads((tmp_path / "reports/metrics/oneoff/original.json").read_text())["ppl"] == row["ppl"]
+    assert sorted(p.relative_to(logs) for p in logs.rglob("*")) == listing
+    runs = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.model` = 'oneoff' and tags.`transmla.method` = 'original'")
+    assert len(runs) == 1 and runs["metrics.wikitext2_ppl"].iloc[0] == pytest.approx(row["ppl"])
+    with pytest.raises(TransMLAError, match="pass --out FILE"):
+        evaluate(prof, "oneoff", "transmla", 0.25, checkpoint=str(tmp_path))
+
+
 def test_cache_hits_across_processes(tmp_path, tiny_dir):
     """Two separate processes (as two DVC stages): the second finds the first's results."""
     prof = write_profile(tmp_path, tiny_dir)
