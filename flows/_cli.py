@@ -161,16 +161,18 @@ _PREFECT_RUN_LOGGERS = ("prefect", "prefect.engine", "prefect.flow_runs", "prefe
 
 
 class _SignalTracebackFilter:
-    """Keeps a log record but drops its traceback when the exception stands for a signal (`_signal_of`).
+    """Keeps a log record but drops its traceback when the exception stands for a signal (`_signal_of`) or is a
+    TransMLAError (bad input, which run() prints as one line with its fix).
 
     A SIGTERM that lands while Prefect starts a task run crashes Prefect's own crash handling (ValueError
     "Task run is not set", the TerminationSignal as its context), and the flow engine logs that with
-    `logger.exception`: a page of Prefect's internals above run()'s one line. The line stays, the traceback
-    goes; an exception no signal caused keeps its traceback."""
+    `logger.exception`: a page of Prefect's internals above run()'s one line. The engines log an input error
+    raised inside a task or flow the same way. The line stays, the traceback goes; any other exception (a bug)
+    keeps its traceback."""
 
     def filter(self, record) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if exc is not None and _signal_of(exc) is not None:
+        if exc is not None and (isinstance(exc, TransMLAError) or _signal_of(exc) is not None):
             record.exc_info = record.exc_text = None
         return True
 

@@ -366,3 +366,21 @@ def test_a_distributed_rank_loads_onto_its_own_gpu(monkeypatch):
     assert FinetuneConfig(device="cuda:0").device == "cuda:0" and FinetuneConfig(device="cuda").device == "cuda"
     with pytest.raises(TransMLAError, match="CUDA_VISIBLE_DEVICES=2 and device cuda"):
         FinetuneConfig(device="cuda:2")
+
+
+def test_an_input_error_inside_a_flow_run_is_its_line_without_tracebacks(tmp_path):
+    """An input error raised once the flow runs (here: another --checkpoint without --out) was printed under
+    Prefect's logged tracebacks of the flow run: a page of its engine above the one line. The run's log line
+    stays; the traceback goes. (A real flow run: a temporary Prefect server, some seconds.)"""
+    ckpt = tmp_path / "other"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    r = subprocess.run([sys.executable, "-m", "flows.evaluate", "--params", str(_profile(tmp_path)), "--model", "tiny",
+                        "--method", "transmla", "--budget", "0.25", "--checkpoint", str(ckpt)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "Encountered exception during execution" in r.stderr, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert any(ln.startswith("transmla: error: --checkpoint") and "pass --out FILE" in ln for ln in lines), r.stderr
