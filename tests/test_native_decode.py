@@ -2,6 +2,8 @@
 the latents the eager absorbed forward caches, and refuses what it does not run. Tiny models only; no test asserts a
 wall-clock time."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_absorb import TOL, _ids, _incremental, _logprobs, _random_dsv3
@@ -193,3 +195,15 @@ def test_native_decode_in_decode_step():
     assert row["decode_loop"] == "compiled" and row["compile_s"] > 0
     eager = decode_step(model, "absorb", context=12, batch=2, steps=2, threads=1, native=True)
     assert eager["decode_loop"] is None  # native applies to the compiled runs only
+
+
+def test_every_kernel_source_is_package_data():
+    """The kernels compile from transmla/runtime/csrc on first use: an installed (non-editable) package shipped the
+    .cpp files only, and their #include'd headers were missing."""
+    import fnmatch
+    import tomllib
+
+    repo = Path(__file__).resolve().parent.parent
+    globs = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["transmla.runtime"]
+    files = [p.relative_to(repo / "transmla" / "runtime").as_posix() for p in (repo / "transmla/runtime/csrc").iterdir()]
+    assert files and all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files), (files, globs)
