@@ -646,6 +646,19 @@ def test_big_endian_gguf_is_named_as_such(tmp_path):
     assert "gguf-convert-endian" in str(e.value) and "50331648" not in str(e.value)
 
 
+def test_a_corrupt_length_in_a_gguf_header_is_a_truncated_file(tmp_path):
+    """A string or array length of 2^62 (a corrupt or hostile header) was allocated before being read:
+    MemoryError, a traceback, instead of the header error."""
+    import struct
+
+    from transmla.io.gguf_header import read_metadata
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 2**62) + b"general.architecture")
+    with pytest.raises(TransMLAError, match="Could not read the GGUF header"):
+        read_metadata(bad)
+
+
 def test_local_gguf_release_is_judged_from_its_header(tmp_path):
     """Architecture and size of a local GGUF are judged at resolve time, from the header alone."""
     from transmla.io.gguf_header import parameter_count, read_metadata

@@ -28,8 +28,12 @@ class _Chain:
 
     def __init__(self, paths: list[str | os.PathLike]):
         self.paths, self.i, self.f = list(paths), 0, None
+        self.left = sum(os.path.getsize(p) for p in self.paths)
 
     def read(self, n: int) -> bytes:
+        if n > self.left:  # a corrupt length (2^62) would otherwise be allocated first: MemoryError, not EOF
+            raise EOFError
+        self.left -= n
         out = bytearray()
         while len(out) < n:
             if self.f is None:
