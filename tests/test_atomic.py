@@ -121,3 +121,21 @@ def test_a_folder_that_cannot_be_moved_into_place_is_an_error(tmp_path, monkeypa
         with atomic_dir(tmp_path / "out") as tmp:
             (tmp / "weights").write_text("w")
     assert os.listdir(tmp_path) == []
+
+
+def test_weights_written_by_safetensors_get_a_plain_file_mode(tmp_path):
+    """safetensors' save_file writes its file 0600: a checkpoint (atomic_dir) or a cached tensor file (atomic_file)
+    no one else on the machine could read. Both now carry the read bits a plain open() gives."""
+    import torch
+    from safetensors.torch import save_file
+
+    old = os.umask(0o022)
+    try:
+        with atomic_dir(tmp_path / "model") as tmp:
+            save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
+        with atomic_file(tmp_path / "stats.safetensors") as tmp:
+            save_file({"w": torch.zeros(2)}, str(tmp))
+    finally:
+        os.umask(old)
+    for f in (tmp_path / "model" / "model.safetensors", tmp_path / "stats.safetensors"):
+        assert f.stat().st_mode & 0o777 == 0o644, oct(f.stat().st_mode)

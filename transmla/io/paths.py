@@ -105,6 +105,8 @@ def atomic_dir(final: str | os.PathLike):
         # checkpoint others on the machine could not read would be useless to them
         os.mkdir(tmp, 0o777)
         yield tmp
+        for f in tmp.rglob("*"):
+            _readable(f)
         for _ in range(100):
             if final.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
@@ -125,6 +127,26 @@ def atomic_dir(final: str | os.PathLike):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _umask() -> int:
+    try:  # Linux: read, not set (os.umask sets it, for every thread of the process)
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1], 8) for ln in f if ln.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        old = os.umask(0o022)
+        os.umask(old)
+        return old
+
+
+def _readable(path: Path) -> None:
+    """Give a written file the read bits a plain open() would (0666 & ~umask): safetensors' save_file writes 0600,
+    and a checkpoint no one else on the machine can read is useless to them."""
+    if path.is_file() and not path.is_symlink():
+        mode = path.stat().st_mode
+        want = mode | (0o444 & ~_umask())
+        if want != mode:
+            os.chmod(path, want)
+
+
 @contextmanager
 def atomic_file(path: str | os.PathLike):
     """Yield a temporary path in the same directory; on success it replaces `path` (os.replace), on
@@ -138,6 +160,7 @@ def atomic_file(path: str | os.PathLike):
         # created inside the try (see atomic_dir), with the mode a plain open() gives (0666 & ~umask)
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         yield tmp
+        _readable(tmp)
         os.replace(tmp, p)
     finally:
         with suppress(FileNotFoundError):
