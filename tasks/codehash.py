@@ -179,14 +179,34 @@ def requirements(dist: str) -> tuple[str, ...]:
     return tuple(sorted(out))
 
 
+@functools.lru_cache(maxsize=None)
+def extras_installed_for(dist: str) -> tuple[str, ...]:
+    """The optional packages `dist` switches on by name (its extra `accelerate` = the package accelerate) that this
+    project itself requires, so they are always there and `dist` runs them: transformers' Trainer (and lm-eval's HF
+    model, through it) run accelerate, which neither the project's modules nor the libraries' plain requirements
+    name. Extras that bundle other packages (transformers' `serving`: pydantic, ...) stay out."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    own = {canonicalize_name(n) for n in requirements("transmla")}
+    out = set()
+    for text in importlib.metadata.requires(dist) or ():
+        req = Requirement(text)
+        name = canonicalize_name(req.name)
+        if (name in own and req.marker is not None and req.marker.evaluate({"extra": name})
+                and not req.marker.evaluate({"extra": ""})):
+            out.add(importlib.metadata.metadata(req.name)["Name"])
+    return tuple(sorted(out))
+
+
 def library_versions(names) -> dict[str, str]:
-    """{distribution: version} of the library's third-party modules `names` and of what each declares it
-    needs (one level): transformers runs tokenizers, which produces every token id, though no project
-    module imports it."""
+    """{distribution: version} of the library's third-party modules `names`, of what each declares it needs (one
+    level: transformers runs tokenizers, which produces every token id, though no project module imports it) and
+    of the optional requirements this project installs for them (`extras_installed_for`)."""
     direct = package_versions(names)
     out = dict(direct)
     for dist in direct:
-        for req in requirements(dist):
+        for req in (*requirements(dist), *extras_installed_for(dist)):
             out.setdefault(req, importlib.metadata.version(req))
     return dict(sorted(out.items()))
 

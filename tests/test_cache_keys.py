@@ -87,6 +87,20 @@ def test_the_libraries_the_library_needs_are_in_the_key(monkeypatch):
     assert codehash.code_key("tasks.calibrate")["packages"]["tokenizers"] == "99.0"
 
 
+def test_an_extra_the_project_installs_for_a_library_is_in_the_key(monkeypatch):
+    """transformers' Trainer and lm-eval's HF model run accelerate (an extra of both, required by this project), which
+    neither the project's modules nor the libraries' plain requirements name: an upgrade of it reused the cached
+    fine-tunes and benchmark scores. mlflow (the project's, no library's extra) stays out."""
+    import importlib.metadata as md
+
+    for task in ("tasks.finetune", "tasks.evaluate"):
+        assert "accelerate" in codehash.code_key(task)["packages"], task
+        assert "mlflow" not in codehash.code_key(task)["packages"]
+    real = md.version
+    monkeypatch.setattr(md, "version", lambda d: "99.0" if d == "accelerate" else real(d))
+    assert codehash.code_key("tasks.finetune")["packages"]["accelerate"] == "99.0"
+
+
 def test_native_sources_are_in_the_closure_and_the_key(monkeypatch):
     """The C++ a module compiles (its NATIVE_SOURCES) is code the step runs: in the closure of every task
     that can reach it, and a change to it changes the key."""
