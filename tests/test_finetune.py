@@ -161,6 +161,21 @@ class _Interrupt(TrainerCallback):
             raise KeyboardInterrupt
 
 
+class _FailAtStart(TrainerCallback):
+    def on_train_begin(self, args, state, control, **kw):
+        raise RuntimeError("failed before the first step")
+
+
+def test_a_run_that_fails_before_saving_leaves_no_work_dir(converted, blocks, tmp_path):
+    """A run that fails before its first checkpoint left its work dir with a run.json in it (the CLI's hidden
+    .<out>.trainer beside --out): nothing to resume from, only a leftover."""
+    model, _ = load_model(str(converted))
+    work = tmp_path / "work"
+    with pytest.raises(RuntimeError, match="before the first step"):
+        finetune(model, blocks[0], blocks[1], _cfg(), str(work), callbacks=[_FailAtStart()])
+    assert not work.exists()
+
+
 def test_interrupted_run_resumes_from_last_checkpoint(converted, blocks, trained, tmp_path):
     cfg = _cfg()
     model, _ = load_model(str(converted))

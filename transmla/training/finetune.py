@@ -734,6 +734,10 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
         # folded under the fused kernel too: the stock one's scores made the fold, after all the training, the
         # run's memory peak at long blocks (3 GiB against 0.6 for a tiny model at 4,096 tokens)
         fold = fold_latent_norms(model, val[: max(1, min(len(val), 16))])
+    except BaseException:
+        if last_checkpoint(work_dir) is None and not (Path(work_dir) / "layerwise.json").exists():
+            remove_run_files(work_dir)  # nothing to resume from: no run.json left of a run that never saved
+        raise
     finally:
         if trainer is not None and trainer.match is not None:
             trainer.match.remove()
