@@ -57,9 +57,16 @@ class FakeHub:
         self.configs.append(repo)
         return str(self._commit(repo, revision) / filename)
 
-    def snapshot_download(self, repo, revision=None, local_dir=None, allow_patterns=None, **_):
+    def snapshot_download(self, repo, revision=None, local_dir=None, allow_patterns=None, ignore_patterns=None, **_):
+        from huggingface_hub.utils import filter_repo_objects
+
         self.snapshots.append((repo, revision))
-        shutil.copytree(self._commit(repo, revision), local_dir, dirs_exist_ok=True)
+        src = self._commit(repo, revision)
+        files = [p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file()]
+        for f in filter_repo_objects(files, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns):
+            (Path(local_dir) / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src / f, Path(local_dir) / f)
+        (Path(local_dir) / ".cache" / "huggingface").mkdir(parents=True, exist_ok=True)  # as the hub client leaves
         return local_dir
 
 
@@ -490,3 +497,21 @@ def test_an_unpinned_hub_source_follows_its_branch(hub, make_model, capsys):
     c = resolve_model.fn("hf:acme/tiny")
     assert (c["path"], c["sha256"]) == (b["path"], b["sha256"]) and len(hub.snapshots) == 2
     assert f"acme/tiny@{second[:12]}, the commit fetched last" in capsys.readouterr().err
+
+
+def test_a_hub_fetch_takes_what_the_model_needs(hub, make_model, tmp_path):
+    """The chat template (transformers 5 writes chat_template.jinja) was left behind, Mistral's own-format
+    consolidated.safetensors (a second copy of every weight) was downloaded and hashed with the model, and the hub
+    client's .cache folder ended up in the output. Pickles stay out."""
+    from transmla.io.sources import fetch_model
+
+    d = make_model("chat")
+    (d / "chat_template.jinja").write_text("{{ messages }}")
+    shutil.copy(d / "model.safetensors", d / "consolidated.safetensors")
+    (d / "pytorch_model.bin").write_bytes(b"pickle")
+    hub.publish("org/chat", d)
+    out = tmp_path / "fetched"
+    fetch_model("hf:org/chat", out, cache=tmp_path / "cache")
+    names = {p.name for p in out.iterdir()}
+    assert "chat_template.jinja" in names and "model.safetensors" in names
+    assert not names & {"consolidated.safetensors", "pytorch_model.bin", ".cache"}, names

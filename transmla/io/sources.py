@@ -769,9 +769,13 @@ def fetch_model(source: str, out: str | os.PathLike, cache=None) -> dict:
     return {"out": str(out), "source": src.text, "content_hash": info.get("content_hash"), "seconds": round(time.perf_counter() - t0, 2)}
 
 
-# What a model needs from a hub repository: safetensors weights (never pickles), config, tokenizer.
+# What a model needs from a hub repository: safetensors weights (never pickles), config, tokenizer (and its chat
+# template: transformers 5 keeps it in chat_template.jinja). Not Mistral's own-format consolidated*.safetensors
+# beside the transformers weights: a second copy of every weight that transformers does not read.
 HUB_FILES = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
-             "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.model", "added_tokens.json"]
+             "tokenizer*", "special_tokens_map.json", "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken",
+             "added_tokens.json", "chat_template.jinja", "chat_template.json"]
+HUB_SKIP = ["consolidated*.safetensors"]
 
 
 def hub_commit(src: ModelSource) -> str:
@@ -794,7 +798,9 @@ def _hub_snapshot(src: ModelSource, out: Path) -> str:
     api = HfApi()
     try:
         sha = api.model_info(src.location, revision=src.revision).sha
-        api.snapshot_download(src.location, revision=sha, local_dir=str(out), allow_patterns=HUB_FILES)
+        api.snapshot_download(src.location, revision=sha, local_dir=str(out), allow_patterns=HUB_FILES,
+                              ignore_patterns=HUB_SKIP)
+        shutil.rmtree(out / ".cache", ignore_errors=True)  # huggingface_hub's download metadata, not the model's
     except Exception as e:  # noqa: BLE001  (offline, gated, missing: one error naming the fix)
         raise TransMLAError(f"Could not download {src.location!r} from the hub ({e.__class__.__name__}: {e}).",
                             "check the id and revision, HF_TOKEN for gated repos, HF_ENDPOINT for a mirror; "
