@@ -66,6 +66,9 @@ def check_variant(profile: Profile, model: str | None = None, method: str | None
     10-15 s to start and would report the same mistake under Prefect's traceback)."""
     if model is not None:
         profile.model(model)  # unknown name: one line naming the models there are
+    if method == "original" and budget is not None:  # it would be ignored, yet name the run's folders
+        raise TransMLAError(f"--method original is the unconverted model: --budget {budget:g} means nothing for it.",
+                            "drop --budget (or name a converted --method).")
     if method not in (None, "original"):
         profile.methods.row(method)  # unknown row: one line naming the rows
         if budget is None:

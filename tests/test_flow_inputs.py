@@ -384,3 +384,9 @@ def test_an_input_error_inside_a_flow_run_is_its_line_without_tracebacks(tmp_pat
     assert "Traceback" not in r.stderr and "Encountered exception during execution" in r.stderr, r.stderr[-3000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert any(ln.startswith("transmla: error: --checkpoint") and "pass --out FILE" in ln for ln in lines), r.stderr
+
+
+def test_the_original_with_a_budget_is_refused_before_the_run(tmp_path):
+    """--method original --budget 0.25 ran a whole evaluation of the original, the budget silently ignored."""
+    r = _flow_cli(tmp_path, "evaluate", "--model", "tiny", "--method", "original", "--budget", "0.25")
+    _one_error_line(r, "--method original", "--budget 0.25", "drop --budget")
