@@ -1,4 +1,5 @@
 import json
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -149,6 +150,77 @@ def test_warm_cache_still_checks_the_checksum(tmp_path, parts_index, fake_conver
     assert _tree(tmp_path) == before and len(fake_convert) == 1, "nothing written"
     assert Path(materialize(f"{body}@sha256:{_digest(_PARTS)}", cache=tmp_path)) == good
     assert len(fake_convert) == 1, "a verified cache hit is not materialised again"
+
+
+@pytest.mark.parametrize("change", ["weights", "config", "transformers", "code", "old record"])
+def test_cache_entry_made_by_other_code_or_changed_on_disk_is_made_again(tmp_path, parts_index, fake_convert,
+                                                                           monkeypatch, change):
+    """An entry is reused only while its files hash to what was recorded and the code that makes entries is
+    the code that made it; otherwise it is made again (never served, nor keyed by its recorded hash)."""
+    from transmla.io import sources
+
+    entry = Path(sources.materialize(_BODY, cache=tmp_path))
+    assert len(fake_convert) == 1
+    meta_file = entry / "transmla_source.json"
+    meta = json.loads(meta_file.read_text())
+    assert meta["materializer"] == sources.materializer() and meta["materializer"]["transformers"]
+    if change == "weights":  # same size, one byte flipped: what a damaged disk or a stray write leaves
+        data = bytearray((entry / "model.safetensors").read_bytes())
+        data[0] ^= 1
+        (entry / "model.safetensors").write_bytes(bytes(data))
+    elif change == "config":
+        (entry / "config.json").write_text('{"edited": true}')
+    elif change == "old record":  # written before entries recorded what made them
+        del meta["materializer"]
+        meta_file.write_text(json.dumps(meta))
+    else:
+        now = sources.materializer()
+        monkeypatch.setattr(sources, "materializer",
+                            lambda: {**now, change: "9.9" if change == "transformers" else "0" * 16})
+    assert Path(sources.materialize(_BODY, cache=tmp_path)) == entry
+    assert len(fake_convert) == 2, f"an entry with changed {change} was reused"
+    meta = json.loads(meta_file.read_text())
+    assert meta["content_hash"] == sources.content_hash(entry) and meta["materializer"] == sources.materializer()
+    assert Path(sources.materialize(_BODY, cache=tmp_path)) == entry and len(fake_convert) == 2, "then a cache hit"
+
+
+def test_two_processes_make_one_cache_entry_once(tmp_path, parts_index, monkeypatch):
+    """Two loads of the same uncached source at once (two flows, a flow and the CLI) make the entry once: the
+    second waits for the first and reuses its entry (without the lock both converted, and the first to finish
+    removed the wheels the other was reading)."""
+    import threading
+
+    from transmla.io import sources
+
+    calls, started = [], threading.Event()
+
+    def slow_save(gguf, out):
+        calls.append(gguf)
+        started.set()
+        time.sleep(0.5)
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(gguf.read_bytes())
+
+    monkeypatch.setattr(sources, "_save_gguf_as_hf", slow_save)
+    got, errors = [], []
+
+    def load():
+        try:
+            got.append(sources.materialize(_BODY, cache=tmp_path))
+        except BaseException as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+
+    first = threading.Thread(target=load)
+    first.start()
+    assert started.wait(30)
+    second = threading.Thread(target=load)
+    second.start()
+    first.join(60)
+    second.join(60)
+    assert not errors and len(got) == 2 and got[0] == got[1]
+    assert len(calls) == 1, "the entry was made twice"
+    assert not list((tmp_path / "wheels").rglob("*.whl")), "wheels left behind"
+    assert not list((tmp_path / "models").glob(".*")), "a lock file or temporary folder left behind"
 
 
 @pytest.mark.parametrize("record, words", [("gguf_sha256", "Checksum mismatch"), ("identity", "was made from")])
@@ -672,3 +744,51 @@ def test_local_gguf_release_is_judged_from_its_header(tmp_path):
     assert "over the nightly cap" in resolve(f"gguf:{ok}", max_params=n - 1).refused
     other = _llama_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
     assert "Unsupported architecture 'gpt2'" in resolve(f"gguf:{other}", max_params=1e6).refused
+
+
+_SLOW_FETCH = """
+import sys, time
+from transmla.io import sources
+
+def slow(gguf, out):
+    (out / "config.json").write_text("{}")
+    print("CONVERTING", file=sys.stderr, flush=True)
+    time.sleep(60)
+
+sources._save_gguf_as_hf = slow
+from transmla.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_cli_stopped_by_sigterm_cleans_up_like_ctrl_c(tmp_path, sig):
+    """`kill` (SIGTERM) or a closed terminal (SIGHUP) while the CLI materialises a model: the process unwinds
+    as on Ctrl-C (temporary folders and the half-made entry removed, the lock released), one line, exit 128+n.
+    Python's default for these signals ended it where it stood and left the folders behind."""
+    import signal
+
+    gguf = _llama_gguf(tmp_path / "m.gguf", layers=2)
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_FETCH, "fetch-model", f"gguf:{gguf}", "--out",
+                             str(tmp_path / "out"), "--cache-dir", str(cache)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a suite started under nohup passes SIGHUP on ignored, and an ignored one stays so
+                            preexec_fn=lambda: signal.signal(getattr(signal, sig), signal.SIG_DFL))
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "CONVERTING" in line:
+            break
+    else:
+        proc.wait()
+        pytest.fail("never reached the conversion:\n" + "".join(lines))
+    assert list((cache / "models").glob(".*")), "the temporary folders exist while it converts"
+    proc.send_signal(getattr(signal, sig))
+    out, err = proc.communicate(timeout=60)
+    signum = int(getattr(signal, sig))
+    assert proc.returncode == 128 + signum, err
+    assert f"stopped by {sig}" in err and "Traceback" not in err
+    assert not (cache / "models").exists() or not list((cache / "models").iterdir()), \
+        list((cache / "models").iterdir())
+    assert not (tmp_path / "out").exists()

@@ -373,17 +373,62 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Stopped(KeyboardInterrupt):
+    """A SIGTERM / SIGHUP turned into what Ctrl-C raises, so the command unwinds the same way."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """SIGTERM and SIGHUP (`kill`, a closed terminal) stop the command as Ctrl-C does: by an exception, so
+    atomic writes and temporary folders (a model being materialised, a checkpoint) are cleaned up on the way
+    out; Python's default for them ends the process where it stands. Ignored signals stay ignored (nohup);
+    outside the main thread (an embedding program) nothing is changed."""
+    import signal
+
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    previous = {}
+    for name in ("SIGTERM", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        try:
+            if sig is None or signal.getsignal(sig) is signal.SIG_IGN:
+                continue
+            previous[sig] = signal.signal(sig, stop)
+        except ValueError:  # not the main thread
+            break
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
     _offline_defaults()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if getattr(args, "device", None) is not None:
-            check_device(args.device)
-        result = args.func(args)
+        with _stop_on_signals():
+            if getattr(args, "device", None) is not None:
+                check_device(args.device)
+            result = args.func(args)
     except TransMLAError as e:
         print(f"transmla: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C, or a SIGTERM / SIGHUP made one by _stop_on_signals
+        signum = e.signum if isinstance(e, Stopped) else int(signal.SIGINT)
+        print(f"transmla: stopped by {signal.Signals(signum).name} (temporary files removed); rerun the command to "
+              "go on.", file=sys.stderr)
+        return 128 + signum
     if args.command == "eval":
         result = {k: v for k, v in result.items() if k != "columns"}
     text = json.dumps(result, indent=None if args.command == "ppl" else 2)

