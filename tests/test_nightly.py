@@ -393,6 +393,36 @@ def test_ledger_names_absolute_checkpoints_and_its_write_failure_fails_one_varia
     assert "4 failed" in (tmp_path / "nightly.md").read_text()
 
 
+def test_a_release_done_by_older_code_is_converted_again_once(tmp_path, make_model, monkeypatch, fast_variants):
+    """The ledger records what converted a release: after a change to the code a variant runs (a module of the
+    conversion or evaluation, a library version) the next night converts it again, once; a change to code no
+    variant runs (the report's rendering) does not. Keyed without the code, a watched release kept its first
+    night's numbers whatever the converter became."""
+    import flows.nightly as N
+    import tasks.codehash as C
+
+    monkeypatch.chdir(tmp_path)
+    a = make_model("a", seed=1)
+    prof = _profile(tmp_path, [str(a)])
+    assert [r["status"] for r in N.nightly(prof)] == ["converted"]
+    assert [r["status"] for r in N.nightly(prof)] == ["skipped"]
+    real = C.file_digest
+
+    def edited(*names):
+        return lambda rel: "0" * 64 if rel in names else real(rel)
+
+    monkeypatch.setattr(C, "file_digest", edited("flows/nightly.py", "flows/report.py"))
+    assert "flows/nightly.py" not in C.closure("flows.convert")[0] + C.closure("flows.evaluate")[0]
+    assert [r["status"] for r in N.nightly(prof)] == ["skipped"], "code no variant runs"
+    for module in ("transmla/method/bkv.py", "transmla/evaluation/perplexity.py"):
+        monkeypatch.setattr(C, "file_digest", edited(module))
+        (rec,) = N.nightly(prof)
+        assert rec["status"] == "converted", module
+        assert json.loads((N.LEDGER / f"{rec['key']}.json").read_text())["code"] == N.variant_code()
+        assert [r["status"] for r in N.nightly(prof)] == ["skipped"]
+    assert len(fast_variants["converted"]) == 3
+
+
 def test_unreachable_index_is_unresolved_and_fails_the_night(tmp_path, monkeypatch, capsys):
     """An index that cannot be reached is not the converter's refusal: the release is unresolved, and the
     night exits 1 (a refusal alone does not)."""
