@@ -50,7 +50,7 @@ def _config_only_dir(tmp_path, cfg: dict):
     ({"model_type": "qwen3_moe", "num_attention_heads": 16, "num_key_value_heads": 8}, "QK-norm"),
     ({"model_type": "qwen3", "rope_theta": 1e6, "attention_bias": True}, "attention biases"),
     ({"model_type": "gemma3", "num_attention_heads": 4, "num_key_value_heads": 1}, "multimodal"),
-    ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ({"model_type": "gemma3_text", "attn_logit_softcapping": 30.0}, "attn_logit_softcapping"),
     ({"model_type": "gemma"}, "embedding scaling"),
     ({"model_type": "qwen2_moe"}, "shared expert"),
     ({"model_type": "mixtral", "sliding_window": 4096, "rope_theta": 1e4}, "Sliding-window"),
@@ -418,6 +418,21 @@ def test_lossless_conversion_of_a_gemma3(tmp_path, tiny_tokenizer):
     _check_lossless(src, tmp_path / "mla", "Gemma3MLAForCausalLM", len(tiny_tokenizer), 1, 100, 32)
 
 
+def test_gemma3_final_logit_softcapping_converts_exactly(tmp_path, tiny_tokenizer):
+    """Gemma 3's final logit soft-capping is Gemma3ForCausalLM's own, which the MLA class inherits: converted
+    losslessly within 1e-3, with and without absorb (it was refused as "not carried"). The cap matters here."""
+    src = _tiny_gemma3(tmp_path, tiny_tokenizer)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "final_logit_softcapping": 0.5}))
+    model, mla, _, _ = _check_lossless(src, tmp_path / "mla", "Gemma3MLAForCausalLM", len(tiny_tokenizer), 1, 100, 32)
+    assert mla.config.final_logit_softcapping == 0.5
+    ids = torch.randint(1, len(tiny_tokenizer), (1, 100), generator=torch.Generator().manual_seed(0))
+    uncapped = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, final_logit_softcapping=None)
+    with torch.no_grad():
+        a, b = (torch.log_softmax(m(ids).logits, -1) for m in (model, uncapped))
+    assert (a - b).abs().max() > 1e-2
+
+
 def test_gemma3_default_mode_and_its_simulation(tmp_path, tiny_tokenizer):
     """Default mode (sequential calibration + refit) on Gemma 3: the stream simulates a sliding layer and a
     global layer (their windows, RoPE, query_pre_attn_scalar and QK-norm) exactly as the exported modules run."""
@@ -516,6 +531,72 @@ def test_gemma2_default_mode_and_its_simulation(tmp_path, tiny_tokenizer):
             want = attn(x, (cos, sin), torch.zeros(40, 40).masked_fill(~mask, float("-inf"))[None, None])[0]
             got = mla_attention(x, dict(attn.state_dict()), s, cos, sin, **LayerStream._sim(o_attn, s))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _yarn_gemma(tmp_path, tok, family: str, rope_type: str):
+    """A tiny Gemma 3 / Gemma 2 whose global layers use `rope_type` at a base so large that every frequency but
+    the first is ~0: dropping RoPE from the other dimensions is then exact, and a full-rank conversion must
+    match the original to rounding, whatever the RoPE's attention factor does to the scores."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    rp = {"rope_type": rope_type, "rope_theta": 1e100}
+    if rope_type == "yarn":
+        rp.update(factor=8.0, original_max_position_embeddings=512)
+    kw = dict(initializer_range=0.2, vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=4096,
+              rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, pad_token_id=0, sliding_window=4096,
+              query_pre_attn_scalar=32, layer_types=["full_attention", "full_attention"])
+    if family == "gemma2":
+        model = Gemma2ForCausalLM(Gemma2Config(rope_parameters=rp, attn_logit_softcapping=None,
+                                               final_logit_softcapping=None, **kw))
+    else:
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            rope_parameters={"full_attention": rp, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+            **kw))
+    d = tmp_path / f"{family}-{rope_type}"
+    model.eval().save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
+def test_gemma_yarn_attention_factor_reaches_the_nope_dimensions(tmp_path, tiny_tokenizer, family):
+    """YaRN's attention factor m multiplies the original's cos/sin, so every score dimension gets m^2; the MLA
+    layers take it out of the gathered cos/sin onto the softmax scale. A compressed (RoPE on 8 of 32 dims),
+    full-rank conversion is exact, with and without absorb (it was off by up to 3.9 in log-prob: the NoPE
+    dimensions lost m^2, while the record said the scaling was carried exactly); the conversion's own
+    simulation of a layer (calibration, refit) equals the exported module."""
+    from transmla.pipeline.stream import LayerStream, MLAShapes, mla_attention
+    from transmla.runtime.absorb import enable_absorb
+
+    src = _yarn_gemma(tmp_path, tiny_tokenizer, family, "yarn")
+    out = tmp_path / "mla"
+    meta = convert(str(src), out, ConvertOptions(qk_rope_dim=8, kv_lora_rank=56, calibration="parallel", refit=False,
+                                                 freqfold=1, **CAL), progress=False)
+    import transmla.models  # noqa: F401
+
+    orig = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager")
+    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    ids = torch.randint(1, len(tiny_tokenizer), (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = (torch.log_softmax(m(ids).logits.float(), -1) for m in (orig, mla))
+        assert (a - b).abs().max() < 1e-3
+        enable_absorb(mla)
+        assert (a - torch.log_softmax(mla(ids).logits.float(), -1)).abs().max() < 1e-3
+    x = torch.randn(2, 40, 64)
+    pos = torch.arange(40)[None].expand(2, -1)
+    s = MLAShapes(4, 32, 8, 56, 1e-6, tuple(meta["rope_frequencies"]), 1e-6)
+    fresh = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    attn, o_attn = fresh.model.layers[0].self_attn, orig.model.layers[0].self_attn
+    with torch.no_grad():
+        cos, sin = (orig.model.rotary_emb(x, pos, "full_attention") if family == "gemma3"
+                    else orig.model.rotary_emb(x, pos))
+        mask = torch.zeros(40, 40).masked_fill(~torch.ones(40, 40, dtype=torch.bool).tril(), float("-inf"))
+        want = attn(x, (cos, sin), mask[None, None])[0]
+        got = mla_attention(x, dict(attn.state_dict()), s, cos, sin, **LayerStream._sim(o_attn, s))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert attn.rope_attention_scaling == pytest.approx(0.1 * np.log(8.0) + 1)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma2"])

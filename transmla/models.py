@@ -53,6 +53,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as softcapped_eager_attention
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
+from transmla.method.rope import rope_attention_scaling
+
 
 @strict
 class MixtralMLAConfig(DeepseekV3Config):
@@ -195,6 +197,15 @@ class Gemma3MLAConfig(Gemma3TextConfig):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+def _carry_rope_attention_scaling(attn, config) -> None:
+    """Gemma MLA layers gather the original's cos/sin, which carry the attention factor m (rope_attention_scaling):
+    taken out of them and put on the softmax scale as m^2, every score dimension keeps it, NoPE ones included
+    (left in cos/sin, a compressed conversion of a YaRN / LongRoPE Gemma lost it on every NoPE dimension)."""
+    m = rope_attention_scaling(config, attn.layer_type)
+    attn.rope_attention_scaling = m
+    attn.scaling = attn.scaling * m * m
+
+
 class Gemma3MLAAttention(Qwen3MLAAttention):
     """MLA attention inside Gemma 3's own decoder layer (its four norms, embedding scale, per-layer-type
     RoPE and sliding windows stay Gemma's). Differences from Qwen3MLAAttention: the RoPE cos/sin are the
@@ -210,14 +221,18 @@ class Gemma3MLAAttention(Qwen3MLAAttention):
         self.is_sliding = self.layer_type == "sliding_attention"
         d, R = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.scaling = config.query_pre_attn_scalar**-0.5 * (d / (d + R)) ** 0.5
+        _carry_rope_attention_scaling(self, config)
         # a plain attribute, not a buffer: from_pretrained builds on the meta device and would not restore it
         self.rope_plan = list(config.rope_plan)
 
     def mla_position_embeddings(self, position_embeddings):
-        """Gemma's (cos, sin) [B, S, d] (rotate_half: [f ; f]) -> the MLA head's [B, S, R] at rope_plan."""
+        """Gemma's (cos, sin) [B, S, d] (rotate_half: [f ; f]) -> the MLA head's [B, S, R] at rope_plan, without
+        the RoPE attention factor (it is on self.scaling: _carry_rope_attention_scaling)."""
         cos, sin = position_embeddings
         idx = torch.tensor(self.rope_plan, device=cos.device)
         cos, sin = cos[..., idx], sin[..., idx]
+        if self.rope_attention_scaling != 1.0:
+            cos, sin = cos / self.rope_attention_scaling, sin / self.rope_attention_scaling
         return torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
@@ -282,6 +297,7 @@ class Gemma2MLAAttention(DeepseekV3Attention):
         self.sliding_window = config.sliding_window if self.is_sliding else None
         d, R = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.scaling = config.query_pre_attn_scalar**-0.5 * (d / (d + R)) ** 0.5
+        _carry_rope_attention_scaling(self, config)
         self.softcap = config.attn_logit_softcapping
         self.rope_plan = list(config.rope_plan)  # a plain attribute: from_pretrained builds on meta
 

@@ -23,6 +23,24 @@ def inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
 
 
+def rope_attention_scaling(config, layer_type: str | None = None) -> float:
+    """The factor transformers' RoPE multiplies cos and sin by for this layer type: YaRN's and LongRoPE's
+    attention factor m (1 for the other types). Through a rotation that covers the whole head, the original
+    scales every score dimension by m^2; an MLA head rotates only its RoPE part, so m^2 goes on its softmax
+    scale and out of the gathered cos/sin (transmla.models' Gemma layers, pipeline.stream's simulation)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(config, "rope_parameters", None) or {}
+    nested = layer_type is not None and isinstance(params.get(layer_type), dict)
+    rp = params[layer_type] if nested else params
+    rtype = rp.get("rope_type", "default")
+    if rtype == "default":
+        return 1.0
+    fn = ROPE_INIT_FUNCTIONS[rtype]
+    _, factor = fn(config, None, layer_type=layer_type) if nested else fn(config, None)
+    return float(factor)
+
+
 def standard_plan(d: int, rope_dim: int) -> list[int]:
     """Frequency index of each pair of a standard RoPE head of dim `rope_dim`: [0, c, 2c, ...]."""
     if rope_dim <= 0 or rope_dim % 2 or d % rope_dim:

@@ -28,6 +28,7 @@ from transmla.method.calibration import LayerMoments
 from transmla.method.linalg import gram
 from transmla.method.mla import MLALayer
 from transmla.method.refit import RefitMoments, head_blocks
+from transmla.method.rope import rope_attention_scaling
 from transmla.runtime.memory import trim_heap
 
 
@@ -61,18 +62,20 @@ def _rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 def mla_attention(x: torch.Tensor, layer: dict[str, torch.Tensor], s: MLAShapes, cos: torch.Tensor,
                   sin: torch.Tensor, scale: float | None = None, window: int | None = None,
-                  softcap: float | None = None) -> torch.Tensor:
+                  softcap: float | None = None, rope_scale: float = 1.0) -> torch.Tensor:
     """Causal DeepseekV3Attention over x [B, T, D] in absorbed form (the same scores and outputs as the
     stock module; transmla.runtime.absorb). layer: MLALayer.to_tensors() in x's dtype; cos/sin
     [B, T, d] of the original model's RoPE (rotate_half layout). scale: the softmax scale (default
     (d + R)^-1/2, DeepSeek's); window: a sliding layer's window (keys t - u < window); softcap: Gemma 2's
-    attention logit soft-capping. Returns [B, T, D]."""
-    return _output(attention_latents(x, layer, s, cos, sin, scale, window, softcap), layer, s)
+    attention logit soft-capping; rope_scale: the factor cos/sin carry (method.rope.rope_attention_scaling),
+    taken out of them (the caller puts its square on `scale`). Returns [B, T, D]."""
+    return _output(attention_latents(x, layer, s, cos, sin, scale, window, softcap, rope_scale=rope_scale), layer, s)
 
 
 def attention_latents(x: torch.Tensor, layer: dict[str, torch.Tensor], s: MLAShapes, cos: torch.Tensor,
                       sin: torch.Tensor, scale: float | None = None, window: int | None = None,
-                      softcap: float | None = None, q: torch.Tensor | None = None) -> torch.Tensor:
+                      softcap: float | None = None, q: torch.Tensor | None = None,
+                      rope_scale: float = 1.0) -> torch.Tensor:
     """z [B, h, T, r]: each head's attention-weighted latent sum_t p_t c_t (mla_attention before W_UV and
     o_proj; all the refit needs). q [B, T, h (d + R)]: the layer's q_proj(x) when the caller has it
     (a plain q_proj only)."""
@@ -105,6 +108,8 @@ def attention_latents(x: torch.Tensor, layer: dict[str, torch.Tensor], s: MLASha
     k_rot = kv[..., r:][:, None]
     idx = torch.tensor(s.plan, dtype=torch.long, device=x.device)
     cp, sp = cos[..., idx][:, None], sin[..., idx][:, None]
+    if rope_scale != 1.0:
+        cp, sp = cp / rope_scale, sp / rope_scale
     q_rot, k_rot = _rope_interleaved(q_rot, cp, sp), _rope_interleaved(k_rot, cp, sp)
     w_uk = layer["kv_b_proj.weight"].view(h, 2 * d, r)[:, :d]
     q_abs = torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk)
@@ -249,8 +254,12 @@ class LayerStream:
         """The MLA simulation's softmax scale, window and soft-capping for a layer whose original attention is `attn`."""
         scaling = getattr(attn, "scaling", None)
         scale = None if scaling is None or scaling == s.d**-0.5 else scaling * math.sqrt(s.d / (s.d + s.R))
+        # YaRN / LongRoPE's attention factor: on every score dimension, as the exported Gemma layers put it
+        m = rope_attention_scaling(attn.config, getattr(attn, "layer_type", None)) if hasattr(attn, "config") else 1.0
+        if m != 1.0:
+            scale = (scale if scale is not None else (s.d + s.R) ** -0.5) * m * m
         return {"scale": scale, "window": getattr(attn, "sliding_window", None),
-                "softcap": getattr(attn, "attn_logit_softcapping", None)}
+                "softcap": getattr(attn, "attn_logit_softcapping", None), "rope_scale": m}
 
     @staticmethod
     def _query_map(attn, w: dict[str, torch.Tensor], s: MLAShapes) -> torch.Tensor | None:
