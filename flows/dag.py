@@ -15,7 +15,7 @@ import re
 
 from tasks.codehash import PROJECT, REPO_ROOT, closure
 from transmla.evaluation.benchmarks import BENCHMARK_DATA
-from transmla.io.data import PATH_PREFIX, spec
+from transmla.io.data import PATH_PREFIX, spec, split_calibration
 
 from .params import Profile, load_profile
 
@@ -43,7 +43,7 @@ def code_deps(stage: str) -> list[str]:
 
 
 def _cal_parts(dataset: str) -> list[str]:
-    return [x.strip() for x in dataset.split("+")]
+    return split_calibration(dataset)
 
 
 def data_names(stage: str, profile: Profile) -> list[str]:

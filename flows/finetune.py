@@ -19,6 +19,7 @@ from tasks import tracking
 from tasks.artifacts import publish
 from tasks.finetune import curves_csv, finetune_checkpoint, loss_curves
 from tasks.model import checkpoint_ref, dataset_ref, resolve_model
+from transmla.io.data import check_document_limit
 from transmla.io.paths import check_output, write_text_atomic
 from transmla.training import layerwise
 
@@ -33,6 +34,8 @@ def finetune(profile: Profile, model: str, method: str, budget: float, checkpoin
     if out is not None:  # a directory the user named: refused now if in use, not after hours of training
         check_output(out, "new_dir")
     src = checkpoint_ref(checkpoint or layout.checkpoint_dir(model, method, budget), "convert")
+    for c in ft.corpora:  # on the hub a document corpus is streamed up to a limit: refused without one, now
+        check_document_limit(c, ft.max_documents, setting="finetune.max_documents")
     teacher = resolve_model(profile.model(model).source) if ft.needs_teacher else None  # the original model
     ref = finetune_checkpoint(src, [dataset_ref(c) for c in ft.corpora], ft.config(profile.device), ft.max_documents,
                               teacher)

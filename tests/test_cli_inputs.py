@@ -160,7 +160,11 @@ def test_finetune_refuses_out_under_a_file(work, capsys, no_weights):
 # 4, 5. eval's numbers
 
 @pytest.mark.parametrize("flags, words", [(["--tasks", ","], "empty task list"),
-                                          (["--tasks", "mmlu", "--num-fewshot", "-1"], "negative")])
+                                          (["--tasks", "mmlu", "--num-fewshot", "-1"], "negative"),
+                                          # lm-eval asserted after the model loaded: its traceback, exit 1
+                                          (["--tasks", "mmlu", "--num-fewshot", "6"], "five questions per subject"),
+                                          # 0 meant "every doc": an hours-long run where -1 was refused
+                                          (["--limit", "0"], "--limit 0 must be a positive")])
 def test_eval_refuses_no_tasks_and_negative_fewshot(llama_dir, work, capsys, no_weights, flags, words):
     root, common = work
     _refused(["eval", "--model", str(llama_dir), *flags, *common], capsys, root, words)
@@ -210,6 +214,54 @@ def test_finetune_refuses_unknown_corpus_before_loading(work, capsys, no_weights
     root, common = work
     _refused(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora", "nosuch", *common],
              capsys, root, "--corpora nosuch", "Unknown data set 'nosuch'", "wikitext2-train")
+
+
+def test_finetune_refuses_a_benchmark_as_a_corpus_before_loading(work, capsys, no_weights):
+    root, common = work
+    _refused(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora", "c4-demo,arc_easy",
+              *common], capsys, root, "--corpora arc_easy", "is a benchmark", "wikitext2-train")
+
+
+def test_finetune_from_hub_corpora_needs_a_document_limit_and_streams_up_to_it(work, capsys, no_weights, monkeypatch):
+    """TRANSMLA_DATA_SOURCE=hub: a document corpus (c4-demo is allenai/c4 en) without --max-documents is refused
+    before anything loads (it was read with a plain load_dataset: the whole split, hundreds of GB); with it, the
+    corpus is streamed and only N documents are taken."""
+    from transmla.io import data
+
+    root, common = work
+    monkeypatch.setenv("TRANSMLA_DATA_SOURCE", "hub")
+    calls = []
+
+    class _Stop(Exception):
+        pass
+
+    class Stream(list):
+        def take(self, n):
+            calls.append(("take", n))
+            return self[:n]
+
+    def hub_dataset(s, revision, streaming=False):
+        calls.append((s.hub_path, streaming))
+        if not streaming:
+            raise _Stop("a whole split was requested")
+        return Stream({"text": f"doc {i}"} for i in range(10))
+
+    monkeypatch.setattr(data, "_hub_dataset", hub_dataset)
+    argv = ["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora", "c4-demo", *common]
+    _refused(argv, capsys, root, "c4-demo on the hub is 'allenai/c4'", "--max-documents N")
+    assert calls == []
+    real = data.load_documents
+    read = {}
+
+    def load_documents(name, **kw):  # the real reader, then stop before the tokenizer and model load
+        read[name] = real(name, **kw)
+        raise _Stop
+
+    monkeypatch.setattr(data, "load_documents", load_documents)
+    with pytest.raises(_Stop):
+        main(argv + ["--max-documents", "3"])
+    assert read == {"c4-demo": ["doc 0", "doc 1", "doc 2"]}
+    assert calls == [("allenai/c4", True), ("take", 3)]
 
 
 def test_finetune_refuses_unconverted_model_before_loading(llama_dir, work, capsys, no_weights):

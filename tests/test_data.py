@@ -78,6 +78,26 @@ def test_calibration_parts_check_names_and_paths_before_any_work(tmp_path):
         calibration_parts(f"path:{tmp_path / 'missing'}")
 
 
+def test_a_plus_inside_a_calibration_path_belongs_to_the_path(tmp_path):
+    """'+' separates the parts, but a folder named c++src is one path: it was cut at each '+', and the error
+    named '.../c', a path the user never gave. A '+' before a registry name or path: still separates."""
+    src = tmp_path / "c++src"
+    src.mkdir()
+    (src / "a.py").write_text("print(1)\n")
+    assert calibration_parts(f"path:{src}") == [f"path:{src}"]
+    assert calibration_parts(f"path:{src}+wikitext2-train+path:{src}") == [f"path:{src}", "wikitext2-train", f"path:{src}"]
+    assert calibration_corpora(f"path:{src}") == [["print(1)\n"]]
+
+
+@pytest.mark.parametrize("spec_text", ["arc_easy", "wikitext2-train+arc_easy"])
+def test_a_benchmark_is_refused_as_calibration_text(spec_text):
+    """A benchmark's rows have no text to calibrate on: refused naming the text corpora (it failed in the
+    loader with 'use load_rows() instead', a function no user calls)."""
+    with pytest.raises(TransMLAError, match="arc_easy is a benchmark") as e:
+        calibration_parts(spec_text)
+    assert "wikitext2-train" in e.value.fix and "load_rows" not in str(e.value)
+
+
 def test_convert_refuses_bad_calibration_data_before_any_work(tmp_path):
     from transmla.convert import convert
 
@@ -142,3 +162,23 @@ def test_a_byte_order_mark_and_an_upper_case_suffix_are_read(tmp_path, monkeypat
     assert load_texts("wikitext2-test") == ["one", ""]
     (tmp_path / "rows.JSONL").write_text('{"text": "one"}\n{"text": "two"}\n')
     assert calibration_corpora(f"path:{tmp_path / 'rows.JSONL'}") == [["one", "two"]]
+
+
+def test_a_hub_document_corpus_is_never_read_whole(monkeypatch):
+    """On the hub, c4-demo is allenai/c4 (en, train): hundreds of GB. Read as calibration or perplexity text
+    (no document limit) or fine-tuning documents without max_documents it is refused before the datasets library
+    is called; WikiText (line rows, a few MB) and a streamed read with a limit go on."""
+    from transmla.io import data
+
+    monkeypatch.setenv("TRANSMLA_DATA_SOURCE", "hub")
+    asked = []
+    monkeypatch.setattr(data, "_hub_dataset", lambda s, revision, streaming=False: asked.append((s.name, streaming)) or [])
+    for read in (lambda: data.load_texts("c4-demo"), lambda: data.calibration_corpora("wikitext2-train+wiki-demo"),
+                 lambda: data.load_documents("fineweb-edu-dedup")):
+        with pytest.raises(TransMLAError, match="would be downloaded whole") as e:
+            read()
+        assert "TRANSMLA_DATA_SOURCE=local" in e.value.fix
+    assert "max_documents N" in e.value.fix
+    assert asked == [("wikitext2-train", False)], "only WikiText was read, before wiki-demo was refused"
+    data.check_document_limit("c4-demo", 5)
+    data.check_document_limit("wikitext2-test", None)

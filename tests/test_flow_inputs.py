@@ -257,6 +257,9 @@ def test_nightly_params_are_validated_at_load(override, field):
     ({"calibration.dataset": "c4-demo+wikitext3+path:/no/such/dir"}, ["calibration.dataset", "'wikitext3'"]),
     ({"finetune.corpora": ["c4-demo", "c4"]}, ["finetune.corpora", "Unknown data set 'c4'"]),
     ({"evaluation.ppl_dataset": "wikitext-2"}, ["evaluation.ppl_dataset", "Unknown data set"]),
+    # read as text by their stages, where a benchmark's rows failed with "use load_rows() instead"
+    ({"finetune.corpora": ["c4-demo", "arc_easy"]}, ["finetune.corpora", "arc_easy is a benchmark"]),
+    ({"evaluation.ppl_dataset": "hellaswag"}, ["evaluation.ppl_dataset", "hellaswag is a benchmark"]),
 ], ids=lambda x: next(iter(x)) if isinstance(x, dict) else None)
 def test_params_that_would_fail_inside_a_stage_are_refused_at_load(override, words):
     from flows.params import load_profile

@@ -116,11 +116,16 @@ def test_loaders_read_the_refs_revision(hub, fake_datasets):
     docs = data.load_documents(ref["name"], data_dir_of(ref), max_documents=2, revision=ref["revision"])
     assert fake_datasets.calls[-1]["revision"] == SHA1 and fake_datasets.calls[-1]["streaming"] is True
     assert len(docs) == 2 and docs[0].endswith(SHA1)
-    data.load_documents("c4-demo", revision=SHA1)  # whole set: through load_rows / load_texts
-    assert fake_datasets.calls[-1] == {"path": "allenai/c4", "name": "en", "split": "train", "revision": SHA1}
+    n = len(fake_datasets.calls)
+    with pytest.raises(TransMLAError, match="downloaded whole"):  # C4 whole: refused (io.data.check_document_limit)
+        data.load_documents("c4-demo", revision=SHA1)
+    assert len(fake_datasets.calls) == n
+    docs = data.load_documents("wikitext2-test", revision=SHA1)  # a whole line-row set: through load_rows / load_texts
+    assert fake_datasets.calls[-1] == {"path": "wikitext", "name": "wikitext-2-raw-v1", "split": "test", "revision": SHA1}
+    assert docs[0].endswith(SHA1)
     assert data.load_texts("wikitext2-test", revision=SHA2)[0].endswith(SHA2)
     assert fake_datasets.calls[-1]["revision"] == SHA2
-    data.calibration_corpora("wikitext2-train+c4-demo", revisions={"c4-demo": SHA2})
+    data.calibration_corpora("wikitext2-train+wikitext2-test", revisions={"wikitext2-test": SHA2})
     assert [c["revision"] for c in fake_datasets.calls[-2:]] == [None, SHA2]
 
 

@@ -153,7 +153,7 @@ def cmd_eval(args) -> dict:
     from transmla.io.sources import materialize
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    limit = None if args.limit in (None, 0) else args.limit
+    limit = args.limit  # None: every doc; 0 or less is refused by check_evaluation (it is not "all")
     batch_size = _batch_size(args.batch_size)
     # evaluate() checks the same, but only once materialize() has run: a GGUF source would be dequantised
     # first. --limit goes before --superset, whose check reads it (a bad --limit would be blamed on it).
@@ -175,15 +175,19 @@ def cmd_eval(args) -> dict:
                     parallelize=args.parallelize, superset=superset or None)
 
 
-def _check_corpora(names: list[str], data_dir) -> None:
-    """--corpora: known data sets with their offline files present, checked before the model loads."""
-    from transmla.io.data import DATA_SOURCE_ENV, local_path, spec
+def _check_corpora(names: list[str], data_dir, max_documents: int | None = None) -> None:
+    """--corpora: known text corpora with their offline files present (hub: read with a document limit), checked
+    before the model loads."""
+    from transmla.io.data import DATA_SOURCE_ENV, check_document_limit, local_path
 
     if not names:
         raise TransMLAError("--corpora names no data set.", f"pass e.g. --corpora {','.join(FINETUNE_CORPORA)}.")
+    if max_documents is not None and max_documents < 1:
+        raise TransMLAError(f"--max-documents {max_documents} is not a positive number of documents.",
+                            "pass --max-documents N with N >= 1, or leave it out to read every document.")
     for n in names:
         try:
-            spec(n)
+            check_document_limit(n, max_documents, setting="--max-documents")
             if os.environ.get(DATA_SOURCE_ENV, "local") == "local":  # the hub path is only reachable by loading
                 local_path(n, data_dir)
         except TransMLAError as e:
@@ -219,14 +223,14 @@ def cmd_finetune(args) -> dict:
 
         check_work_dir(work)  # before any weight loads
     names = [c.strip() for c in args.corpora.split(",") if c.strip()]
-    _check_corpora(names, args.data_dir)
+    _check_corpora(names, args.data_dir, args.max_documents)
     student = source_config(args.model, args.cache_dir)  # configs, not weights: checked before any loads
     check_mla_type(student.get("model_type"))
     if args.teacher:
         check_teacher_config(student, source_config(args.teacher, args.cache_dir), cfg)
     # the corpora are read and split before any weights load: a --val-tokens or --seqlen the corpora cannot
     # satisfy is refused in seconds, named as the flag
-    docs = {n: load_documents(n, data_dir_override=args.data_dir) for n in names}
+    docs = {n: load_documents(n, data_dir_override=args.data_dir, max_documents=args.max_documents) for n in names}
     flag = lambda field: "--" + field.replace("_", "-")  # noqa: E731
     packed = pack_corpus(load_tokenizer(args.model, args.cache_dir), docs, cfg.seqlen, cfg.val_tokens, cfg.seed,
                          setting=flag)
@@ -341,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the original model (any source `transmla convert` takes): the kd objectives distil from it; "
                         "with --objective lm it only scores the validation KL")
     t.add_argument("--work-dir", default=None, help="Trainer checkpoints (default: .<out>.trainer beside --out)")
+    t.add_argument("--max-documents", type=int, default=None,
+                   help="the first N documents of each corpus (default: all); needed for a document corpus read "
+                        "from the hub (TRANSMLA_DATA_SOURCE=hub), which is then streamed up to N")
     t.set_defaults(func=cmd_finetune)
 
     e = sub.add_parser("eval", parents=[common], help="six-benchmark evaluation with lm-eval (offline)",

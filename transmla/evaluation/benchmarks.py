@@ -253,6 +253,9 @@ def evaluate(
     return result
 
 
+MMLU_DEV_PER_SUBJECT = 5  # MMLU's dev split: five questions per subject, by the benchmark's construction
+
+
 def check_evaluation(tasks, limit: int | None = None, num_fewshot: int = 0, protocol: str = "paper",
                      backend: str = "hf", tensor_parallel: int = 1, data_parallel: int = 1, parallelize: bool = False,
                      out_dir: str | Path | None = None) -> None:
@@ -279,6 +282,11 @@ def check_evaluation(tasks, limit: int | None = None, num_fewshot: int = 0, prot
         raise TransMLAError(f"num_fewshot={num_fewshot}: the local data has a few-shot split only for MMLU (dev); "
                             f"{', '.join(sorted(set(tasks) - {'mmlu'}))} would draw demonstrations from their test split.",
                             "evaluate zero-shot (the paper's protocol), or pass --tasks mmlu for few-shot MMLU.")
+    if num_fewshot > MMLU_DEV_PER_SUBJECT:
+        # lm-eval draws a subject's demonstrations from its dev split and asserts there are enough, after the model loaded
+        raise TransMLAError(f"num_fewshot={num_fewshot}: MMLU's dev split holds five questions per "
+                            "subject, the most demonstrations a prompt can take.",
+                            f"pass --num-fewshot {MMLU_DEV_PER_SUBJECT} or fewer (5 is MMLU's standard few-shot).")
     if out_dir is not None:
         check_output(out_dir, "dir")
 

@@ -71,6 +71,17 @@ def spec(name: str) -> DatasetSpec:
     return REGISTRY[name]
 
 
+def text_spec(name: str) -> DatasetSpec:
+    """spec(name) of a data set to be read as text (calibration, perplexity, fine-tuning corpora): a benchmark's
+    rows (question, choices) are refused, naming the text corpora."""
+    s = spec(name)
+    if s.text_field is None:
+        texts = ", ".join(sorted(k for k, v in REGISTRY.items() if v.text_field is not None))
+        raise TransMLAError(f"{name} is a benchmark (rows of questions and choices), not a text corpus.",
+                            f"name a text corpus: {texts}.")
+    return s
+
+
 def local_path(name: str, data_dir_override: str | os.PathLike | None = None) -> Path:
     """Absolute path of a data set's local file; a clear error if it is missing."""
     s = spec(name)
@@ -150,13 +161,31 @@ def _hub_dataset(s: DatasetSpec, revision: str | None, **kwargs):
         raise _hub_load_error(s, revision, e) from e
 
 
+def check_document_limit(name: str, max_documents: int | None, source: str | None = None,
+                         setting: str | None = "max_documents") -> None:
+    """A document corpus on the hub (C4, Wikipedia, the SmolLM corpus: tens to hundreds of GB) is read streamed,
+    up to a number of documents: refused without one, since the datasets library would download the whole split
+    first. `setting`: where the caller takes that number (None: it takes none, e.g. calibration, perplexity).
+    Local files and line-row sets (WikiText) are read whole."""
+    s = text_spec(name)
+    if _source(source) == "hub" and max_documents is None and not s.line_rows:
+        fix = (f"set {setting} N (it is then streamed up to N documents; the offline demo holds a few hundred), or "
+               if setting else "") + f"read the offline file ({DATA_SOURCE_ENV}=local)"
+        raise TransMLAError(f"{name} on the hub is {_where(s)}: read without a document limit it would be downloaded "
+                            "whole (tens to hundreds of GB).", fix + ("." if setting else ", or a path: part holding "
+                                                                      "the text."))
+
+
 def load_rows(name: str, data_dir_override=None, source: str | None = None, revision: str | None = None) -> list[dict]:
     """All rows of a data set, as dicts in the hub schema.
 
     revision: on the hub, the commit to read (a dataset ref's `revision`); None: the spec's pinned
-    `hub_revision`, else the newest commit. Ignored for local files."""
+    `hub_revision`, else the newest commit. Ignored for local files. A hub document corpus is refused
+    (check_document_limit: load_documents streams it)."""
     s = spec(name)
     if _source(source) == "hub":
+        if s.text_field is not None:
+            check_document_limit(name, None, source, setting=None)
         revision = revision or s.hub_revision
         return [dict(r) for r in _hub_dataset(s, revision)]
     path = local_path(name, data_dir_override)
@@ -194,9 +223,7 @@ def read_jsonl(path: Path, field: str | None = None) -> list[dict]:
 
 def load_texts(name: str, data_dir_override=None, source: str | None = None, revision: str | None = None) -> list[str]:
     """The `text` field of every row (blank rows kept, as WikiText-2 perplexity expects)."""
-    s = spec(name)
-    if s.text_field is None:
-        raise TransMLAError(f"Data set {name!r} has no single text field.", "use load_rows() instead.")
+    s = text_spec(name)
     return [r[s.text_field] for r in load_rows(name, data_dir_override, source, revision)]
 
 
@@ -209,6 +236,7 @@ def load_documents(name: str, data_dir_override=None, source: str | None = None,
     corpus like C4 is never downloaded whole. `revision`: as for load_rows.
     """
     s = spec(name)
+    check_document_limit(name, max_documents, source)
     if _source(source) == "hub" and max_documents is not None:
         revision = revision or s.hub_revision
         ds = _hub_dataset(s, revision, streaming=True)
@@ -234,16 +262,30 @@ TEXT_SUFFIXES = frozenset(
 MAX_PATH_CHARS = 4_000_000  # a directory is read in sorted order up to this many characters (WikiText-2 train: 2.9 MB)
 
 
+def split_calibration(name: str) -> list[str]:
+    """The parts of a calibration data spec, unchecked: '+' separates them, except inside a path: part, where
+    a '+' followed by neither a registry name nor path: belongs to the path (a folder named c++src)."""
+    parts: list[str] = []
+    for piece in name.split("+"):
+        new = piece.strip() in REGISTRY or piece.strip().startswith(PATH_PREFIX)
+        if parts and not new and parts[-1].startswith(PATH_PREFIX):
+            parts[-1] += "+" + piece
+        else:
+            parts.append(piece)
+    return [p.strip() for p in parts]
+
+
 def calibration_parts(name: str) -> list[str]:
     """The parts of a calibration data spec ('wikitext2-train+path:/src/repo'); a clear error if one is bad."""
-    parts = [p.strip() for p in name.split("+")]
+    parts = split_calibration(name)
     for p in parts:
         if p.startswith(PATH_PREFIX):
             if not _path_of(p).exists():
                 raise TransMLAError(f"Calibration path not found: {p.removeprefix(PATH_PREFIX)!r} (in {name!r}).",
-                                    "point path: at an existing .jsonl or text file, or a directory of them.")
+                                    "point path: at an existing .jsonl or text file, or a directory of them ('+' "
+                                    "between parts: name+path:FILE).")
         else:
-            spec(p)  # unknown names fail here, listing the registry
+            text_spec(p)  # unknown names (listing the registry) and benchmarks fail here
     return parts
 
 
