@@ -1084,3 +1084,21 @@ def test_compiled_decode_one_graph_for_every_context(tiny_pair):
     assert all(r["compiled"] for r in rows) and [r["cache_length_end"] for r in rows] == [16, 16, 24]
     decode_step(converted, "absorb", context=12, batch=2, steps=2, threads=1, compiled=True)  # absorbed anew
     assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_a_latent_cache_reset_follows_a_cast_model_and_a_filled_one_is_refused():
+    """After reset() a LatentCache serves a model cast to another dtype as a new cache would (its buffer was
+    kept, the latents cast into it, and SDPA failed on mixed dtypes); a cache still holding tokens of the old
+    dtype is one clear error naming reset()."""
+    model = _random_dsv3()
+    ids = torch.randint(2, 101, (2, 8), generator=torch.Generator().manual_seed(0))
+    cache = LatentCache(model.config)
+    with torch.no_grad(), absorbed(model):
+        model(ids, past_key_values=cache, use_cache=True)
+        model.to(torch.bfloat16)
+        with pytest.raises(TransMLAError, match="reset"):
+            model(ids[:, :1], past_key_values=cache, use_cache=True)
+        cache.reset()
+        got = model(ids, past_key_values=cache, use_cache=True).logits
+        want = model(ids, past_key_values=LatentCache(model.config), use_cache=True).logits
+    assert cache.layers[0].buffer.dtype == torch.bfloat16 and torch.equal(got, want)

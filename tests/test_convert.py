@@ -347,6 +347,45 @@ def test_padded_sdpa_matches_sdpa_with_a_cache(tiny, which):
         m.config._attn_implementation = impl
 
 
+@pytest.mark.parametrize("which", ["original", "mla"])
+def test_padded_sdpa_honours_padding_and_a_static_cache(tiny, which):
+    """The evaluation attention gets transformers' masks (its mask function is SDPA's): a left-padded batch and
+    greedy decoding into a StaticCache give stock SDPA's logits and tokens. It was handed no mask at all: the
+    padding was attended to, and a static cache's decode step attended to its unwritten slots."""
+    from transformers import StaticCache
+
+    from transmla.runtime.fast_attention import use_causal_padded_sdpa
+
+    model, tok, _, _ = tiny
+    m = model if which == "original" else _in_memory(tiny, paper(kv_cache_ratio=0.5))
+    ids = _text_ids(tok, 24).repeat(2, 1)
+    ids[0, :5] = tok.pad_token_id or 0
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    impl = m.config._attn_implementation
+    kw = dict(do_sample=False, max_new_tokens=6, min_new_tokens=6, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    try:
+        m.set_attn_implementation("sdpa")
+        with torch.no_grad():
+            want = m(ids, attention_mask=mask).logits
+            want_static = m.generate(ids[1:, :12], cache_implementation="static", **{**kw, "attention_mask": None})
+            cache = StaticCache(config=m.config, max_cache_len=32)
+            m(ids[1:, :12], past_key_values=cache, use_cache=True)
+            want_step = m(ids[1:, 12:13], past_key_values=cache, use_cache=True).logits
+        use_causal_padded_sdpa(m)
+        with torch.no_grad():
+            got = m(ids, attention_mask=mask).logits
+            got_static = m.generate(ids[1:, :12], cache_implementation="static", **{**kw, "attention_mask": None})
+            cache = StaticCache(config=m.config, max_cache_len=32)
+            m(ids[1:, :12], past_key_values=cache, use_cache=True)
+            got_step = m(ids[1:, 12:13], past_key_values=cache, use_cache=True).logits
+    finally:
+        m.config._attn_implementation = impl
+    assert (got - want)[:, 5:].abs().max() < 1e-4 and (got - want)[1].abs().max() < 1e-4
+    assert (got_step - want_step).abs().max() < 1e-4
+    assert torch.equal(got_static, want_static)
+
+
 @pytest.mark.parametrize("argv, want", [
     ([], {"calibration": "sequential", "refit": True, "attention_aware": True}),
     (["--paper"], {"calibration": "parallel", "refit": False, "attention_aware": False}),

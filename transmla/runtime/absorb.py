@@ -103,9 +103,16 @@ class LatentLayer(CacheLayerMixin):
         self.keys, self.values = valid[..., : self.rank], valid[..., self.rank :]
 
     def _ready(self, batch: int, r: int, R: int, dtype, device, S: int) -> None:
-        # (Re)allocate when empty: first use, or reuse after reset() with another batch size.
-        if not self.is_initialized or (self.length == 0 and tuple(self.buffer.shape[::2]) != (batch, r + R)):
+        # (Re)allocate when empty: first use, or reuse after reset() with another batch size, dtype or device (the
+        # model moved or was cast in between: latents cast silently into the old buffer failed later in SDPA).
+        if not self.is_initialized or (self.length == 0 and (tuple(self.buffer.shape[::2]) != (batch, r + R)
+                                                             or self.buffer.dtype != dtype
+                                                             or self.buffer.device != torch.device(device))):
             self._allocate(batch, r, R, dtype, device, S)
+        elif self.buffer.dtype != dtype or self.buffer.device != torch.device(device):
+            raise TransMLAError(f"This LatentCache holds {self.length} {self.buffer.dtype} tokens on {self.buffer.device}; "
+                                f"the model now makes {dtype} latents on {device}.",
+                                "reset() the cache (or make a new LatentCache) after casting or moving the model.")
 
     def append(self, latent: torch.Tensor, rank: int) -> torch.Tensor:
         """latent [B, S, r + R] with r = rank -> all cached [B, T, r + R] (a view; T = previous length + S)."""
