@@ -216,10 +216,11 @@ def test_finetune_refuses_unknown_corpus_before_loading(work, capsys, no_weights
              capsys, root, "--corpora nosuch", "Unknown data set 'nosuch'", "wikitext2-train")
 
 
-def test_finetune_refuses_a_benchmark_as_a_corpus_before_loading(work, capsys, no_weights):
+@pytest.mark.parametrize("corpus, words", [("arc_easy", "is a benchmark"), ("wikitext2-test", "is an evaluation split")])
+def test_finetune_refuses_a_benchmark_or_test_split_as_a_corpus_before_loading(work, capsys, no_weights, corpus, words):
     root, common = work
-    _refused(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora", "c4-demo,arc_easy",
-              *common], capsys, root, "--corpora arc_easy", "is a benchmark", "wikitext2-train")
+    _refused(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora", f"c4-demo,{corpus}",
+              *common], capsys, root, f"--corpora {corpus}", words, "wikitext2-train")
 
 
 def test_finetune_from_hub_corpora_needs_a_document_limit_and_streams_up_to_it(work, capsys, no_weights, monkeypatch):

@@ -260,6 +260,9 @@ def test_nightly_params_are_validated_at_load(override, field):
     # read as text by their stages, where a benchmark's rows failed with "use load_rows() instead"
     ({"finetune.corpora": ["c4-demo", "arc_easy"]}, ["finetune.corpora", "arc_easy is a benchmark"]),
     ({"evaluation.ppl_dataset": "hellaswag"}, ["evaluation.ppl_dataset", "hellaswag is a benchmark"]),
+    # trained or calibrated on the text its perplexity is measured on
+    ({"finetune.corpora": ["c4-demo", "wikitext2-test"]}, ["finetune.corpora", "wikitext2-test is an evaluation split"]),
+    ({"calibration.dataset": "wikitext2-train+wikitext2-test"}, ["calibration.dataset", "also evaluation.ppl_dataset"]),
 ], ids=lambda x: next(iter(x)) if isinstance(x, dict) else None)
 def test_params_that_would_fail_inside_a_stage_are_refused_at_load(override, words):
     from flows.params import load_profile

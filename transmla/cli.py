@@ -178,7 +178,7 @@ def cmd_eval(args) -> dict:
 def _check_corpora(names: list[str], data_dir, max_documents: int | None = None) -> None:
     """--corpora: known text corpora with their offline files present (hub: read with a document limit), checked
     before the model loads."""
-    from transmla.io.data import DATA_SOURCE_ENV, check_document_limit, local_path
+    from transmla.io.data import DATA_SOURCE_ENV, check_document_limit, local_path, training_spec
 
     if not names:
         raise TransMLAError("--corpora names no data set.", f"pass e.g. --corpora {','.join(FINETUNE_CORPORA)}.")
@@ -187,6 +187,7 @@ def _check_corpora(names: list[str], data_dir, max_documents: int | None = None)
                             "pass --max-documents N with N >= 1, or leave it out to read every document.")
     for n in names:
         try:
+            training_spec(n)
             check_document_limit(n, max_documents, setting="--max-documents")
             if os.environ.get(DATA_SOURCE_ENV, "local") == "local":  # the hub path is only reachable by loading
                 local_path(n, data_dir)

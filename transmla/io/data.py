@@ -82,6 +82,17 @@ def text_spec(name: str) -> DatasetSpec:
     return s
 
 
+def training_spec(name: str) -> DatasetSpec:
+    """text_spec(name) of a set to train on (fine-tuning corpora): an evaluation split is refused, since every
+    perplexity measured on it afterwards would score the run's own training text."""
+    s = text_spec(name)
+    if s.hub_split != "train":
+        train = ", ".join(sorted(k for k, v in REGISTRY.items() if v.text_field is not None and v.hub_split == "train"))
+        raise TransMLAError(f"{name} is an evaluation split ({s.hub_split}): the perplexity measured on it after "
+                            "training on it would score the training text.", f"train on: {train}.")
+    return s
+
+
 def local_path(name: str, data_dir_override: str | os.PathLike | None = None) -> Path:
     """Absolute path of a data set's local file; a clear error if it is missing."""
     s = spec(name)
