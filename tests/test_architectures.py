@@ -166,6 +166,18 @@ def test_standard_plan_carries_the_scaling_unchanged(rp):
         assert not torch.allclose(orig, 1 / rp["rope_theta"] ** (torch.arange(0, d, 2).double() / d))  # scaled
 
 
+def test_a_stray_partial_rotary_factor_is_not_exported():
+    """Llama's default RoPE ignores a partial_rotary_factor in its rope_parameters (it rotates the whole head);
+    the export's RoPE head rotates all its dims too, so the key is not carried: a runtime that honours it
+    (vLLM's DeepSeek RoPE) would rotate only part of the head."""
+    d = 64
+    cfg = LlamaConfig(hidden_size=4 * d, num_attention_heads=4, num_key_value_heads=2, head_dim=d,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+    assert LlamaRotaryEmbedding(cfg).inv_freq.numel() == d // 2, "the original rotates the whole head"
+    out = export_rope_parameters(read_spec(cfg), standard_plan(d, 16))
+    assert "partial_rotary_factor" not in out and out["rope_type"] == "default"
+
+
 def _tiny_scaled_llama(tmp_path, tok, rp):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -41,7 +41,10 @@ def export_rope_parameters(spec: GQASpec, plan: list[int]) -> dict:
     unchanged (servable by vLLM). Any other plan gets LongRoPE factors solved against the original's
     scaled frequencies (transformers only).
     """
-    rp = {k: v for k, v in (spec.rope_parameters or {}).items() if k != "type" and v is not None}
+    # partial_rotary_factor: the MLA RoPE head rotates all of its R dims, whatever the original's key said (the
+    # families converted here rotate the whole head; a stray key is ignored by their default RoPE, not by vLLM's)
+    rp = {k: v for k, v in (spec.rope_parameters or {}).items()
+          if k not in ("type", "partial_rotary_factor") and v is not None}
     rp.setdefault("rope_type", "default")
     rp["rope_theta"] = spec.rope_theta
     if is_standard(plan, spec.d):
