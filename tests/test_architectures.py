@@ -81,7 +81,7 @@ def _write_gguf(path, arch: str, **kv):
     w.add_embedding_length(64)
     w.add_key_length(16)
     for k, v in kv.items():
-        w.add_uint32(f"{arch}.{k}", v)
+        (w.add_float32 if isinstance(v, float) else w.add_uint32)(f"{arch}.{k}", v)
     w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -112,6 +112,28 @@ def test_gguf_header_names_the_architecture_without_dequantising(tmp_path, monke
     _write_gguf(tmp_path / "q.gguf", "qwen2moe", expert_count=8)
     assert "shared expert" in judge_gguf(str(tmp_path / "q.gguf"), None)[1]
     assert not (tmp_path / "out").exists()
+
+
+def test_gguf_header_gives_the_shapes_a_dry_run_plans_with(tmp_path):
+    """A GGUF header's config carries the MLP width, vocabulary, context and tied embeddings (llama.cpp writes no
+    output.weight for them): a dry run of a GGUF (or a catalog model, which records its header) planned with
+    transformers' defaults in their place (LlamaConfig: intermediate 11008, vocab 32000)."""
+    from transmla.convert import plan_conversion
+
+    _write_gguf(tmp_path / "g.gguf", "llama", feed_forward_length=96, context_length=256, vocab_size=8,
+                **{"rope.freq_base": 10000.0})
+    cfg = config_from_metadata(read_metadata(tmp_path / "g.gguf"))
+    assert (cfg["intermediate_size"], cfg["vocab_size"], cfg["max_position_embeddings"]) == (96, 8, 256)
+    assert cfg["tie_word_embeddings"] is True
+    rates = {"matmul_flops_per_s": 1e10, "eigh_float64_flops_per_s": 1e9}
+    plan = plan_conversion(f"gguf:{tmp_path / 'g.gguf'}", ConvertOptions(kv_lora_rank=8, qk_rope_dim=8), rates=rates)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                                                head_dim=16, num_hidden_layers=2, intermediate_size=96, vocab_size=8,
+                                                max_position_embeddings=256, tie_word_embeddings=True,
+                                                rope_parameters={"rope_type": "default", "rope_theta": 1e4}).to_json_string())
+    assert plan == plan_conversion(str(hf), ConvertOptions(kv_lora_rank=8, qk_rope_dim=8), rates=rates)
 
 
 def test_gguf_header_read_across_split_parts(tmp_path):

@@ -792,3 +792,42 @@ def test_cli_stopped_by_sigterm_cleans_up_like_ctrl_c(tmp_path, sig):
     assert not (cache / "models").exists() or not list((cache / "models").iterdir()), \
         list((cache / "models").iterdir())
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_an_impossible_rank_for_an_uncached_catalog_model_is_refused_before_any_download(tmp_path, monkeypatch, name):
+    """A catalog model records its GGUF header's shapes: an impossible rank (or RoPE dim) is refused from them,
+    nothing fetched (it was refused only after the download and dequantisation); a possible one passes."""
+    from transmla.config import ConvertOptions
+    from transmla.convert import precheck
+    from transmla.io import pypi
+
+    monkeypatch.setattr(pypi, "fetch_wheel", lambda *a, **k: pytest.fail("a wheel was fetched"))
+    monkeypatch.setattr(pypi, "newest_matching", lambda *a, **k: pytest.fail("the index was asked"))
+    cfg = dict(CATALOG[name].header)
+    g, d = cfg["num_key_value_heads"], cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    with pytest.raises(TransMLAError, match="kv_lora_rank=100000 is impossible") as e:
+        precheck(name, None, ConvertOptions(kv_lora_rank=100000, qk_rope_dim=32), cache=tmp_path)
+    assert f"between 1 and {2 * g * d - 32}" in e.value.fix
+    precheck(name, None, ConvertOptions(kv_lora_rank=16, qk_rope_dim=32), cache=tmp_path)
+    assert not list(tmp_path.rglob("*.whl"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_a_catalog_models_recorded_header_is_its_real_config(name):
+    """The shapes a catalog entry records (checked before any download) are the materialised model's own:
+    SmolLM2-135M is materialised for it (the suite's real model); the others are checked where this machine's
+    model cache holds them (materialising them here would download hundreds of MB per run)."""
+    from transmla.io.sources import cache_dir, materialize
+
+    if name != "smollm2-135m" and not (cache_dir(None) / "models" / parse_source(name).slug / "config.json").is_file():
+        pytest.skip(f"{name} is not in this machine's model cache")
+    real = json.loads((Path(materialize(name)) / "config.json").read_text())
+    real_theta = (real.get("rope_parameters") or {}).get("rope_theta", real.get("rope_theta"))
+    if name.startswith("gemma3"):  # per layer type: the header's base is the global layers'
+        real_theta = real["rope_parameters"]["full_attention"]["rope_theta"]
+    for key, value in CATALOG[name].header:
+        got = real_theta if key == "rope_theta" else real[key]
+        assert got == value, (key, got, value)
+    assert real["model_type"] == CATALOG[name].model_type

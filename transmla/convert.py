@@ -44,8 +44,8 @@ def check_request(spec: GQASpec, o: ConvertOptions) -> Budget:
 
 def config_spec(cfg: dict) -> GQASpec | None:
     """The spec of a source's config (io.sources.check_source's dict); None when it cannot give one: empty
-    (a hub config not reachable), a not yet materialised catalog model (its model type only), or a GGUF
-    header's partial fields that transformers refuses (Llama-3.1 RoPE scaling without its factors)."""
+    (a hub config not reachable), a model type alone, or a GGUF header's partial fields that transformers
+    refuses (Llama-3.1 RoPE scaling without its factors)."""
     from transformers import AutoConfig
 
     if not set(cfg) - {"model_type"}:
@@ -336,7 +336,7 @@ def plan_conversion(source: str, o: ConvertOptions, cache=None, rates: dict | No
         raise TransMLAError(f"No config.json found for {source!r}.", "a dry run reads the source's config.json only: "
                                                                        "pass a directory or hub id that has one.")
     spec = config_spec(cfg)
-    if spec is None:  # a catalog model's type alone: planning from a default config's shapes would mislead
+    if spec is None:  # a model type alone (a config transformers refuses): a default config's shapes would mislead
         raise TransMLAError(f"{source!r} is not materialised yet: its config holds no usable shapes.",
                             f"run `transmla fetch-model {source} --out DIR` (or a real conversion) once, then dry-run.")
     budget = check_request(spec, o)

@@ -135,6 +135,13 @@ def parameter_count(meta: dict) -> int:
 _MODEL_TYPE = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
 
 
+def _length(value) -> int | None:
+    """The length of a header array (read_metadata returns a long one as {"array_length": n})."""
+    if isinstance(value, dict):
+        return value.get("array_length")
+    return len(value) if isinstance(value, (list, tuple)) else None
+
+
 def config_from_metadata(meta: dict) -> dict:
     """The config fields the converter's checks read (transformers names), from GGUF metadata."""
     arch = meta.get("general.architecture", "")
@@ -156,7 +163,14 @@ def config_from_metadata(meta: dict) -> dict:
         "num_local_experts": a("expert_count"),
         "sliding_window": a("attention.sliding_window"),
         "rope_theta": a("rope.freq_base"),
+        # what a dry run's plan sizes besides attention (without them transformers' defaults would stand in)
+        "intermediate_size": a("feed_forward_length"),
+        "vocab_size": a("vocab_size", _length(meta.get("tokenizer.ggml.tokens"))),
+        "max_position_embeddings": a("context_length"),
     }
+    names = meta.get("__tensor_names__")
+    if names and "token_embd.weight" in names:  # llama.cpp writes no output.weight for tied embeddings
+        cfg["tie_word_embeddings"] = "output.weight" not in names
     rtype = a("rope.scaling.type")
     if rtype and rtype != "none":
         cfg["rope_parameters"] = {"rope_type": rtype, "factor": a("rope.scaling.factor")}

