@@ -664,6 +664,23 @@ def test_gguf_without_head_count_kv_loads_unpermuted(tmp_path, write_kv):
         assert (got(ids).logits - ref(ids).logits).abs().max().item() < 1e-5
 
 
+def test_a_local_gguf_brings_its_own_tokenizer_whatever_lies_beside_it(tmp_path, tiny_tokenizer):
+    """A GGUF downloaded into a folder holding another model's files: its cache entry's tokenizer is the GGUF's
+    own (32 tokens here), not the tokenizer.json beside it (it was: transformers reads the folder too)."""
+    from transformers import AutoTokenizer
+
+    from transmla.io.sources import materialize
+
+    path = tmp_path / "tiny.gguf"
+    _permuted_llama_gguf(path, write_kv=True)
+    tiny_tokenizer.save_pretrained(tmp_path)  # another model's tokenizer, beside the GGUF
+    assert len(tiny_tokenizer) != 32
+    entry = Path(materialize(f"gguf:{path}", cache=tmp_path / "cache"))
+    tok = AutoTokenizer.from_pretrained(entry)
+    assert len(tok) == 32 and tok.convert_ids_to_tokens(5) == "t2"
+    assert not [p.name for p in (tmp_path / "cache" / "models").iterdir() if p.name.startswith(".")]
+
+
 def test_gguf_tensor_the_loader_misses_is_refused_not_initialised(tmp_path):
     """transformers only logs a weight the GGUF did not provide and initialises it at random: the model is
     refused, naming the weight, and nothing is written."""

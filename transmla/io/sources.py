@@ -335,10 +335,14 @@ def _save_gguf_as_hf(gguf: Path, out: Path) -> None:
     from transmla.io.gguf_header import SAFETENSORS_FIX, check_loadable, read_metadata
 
     check_loadable(read_metadata(gguf), gguf)  # a catalog model's header is read here first
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    with _kv_heads_default(gguf):
-        model, info = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                                           output_loading_info=True)
+    # transformers reads the GGUF's folder too: a tokenizer.json (another model's, a download beside it) would
+    # replace the file's own tokenizer. The file is loaded from a folder that holds it alone.
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".gguf-") as alone:
+        os.symlink(gguf.resolve(), Path(alone) / gguf.name)
+        tok = AutoTokenizer.from_pretrained(alone, gguf_file=gguf.name)
+        with _kv_heads_default(gguf):
+            model, info = AutoModelForCausalLM.from_pretrained(alone, gguf_file=gguf.name, dtype=torch.float32,
+                                                               output_loading_info=True)
     # transformers only logs weights the file did not provide, and initialises them at random
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
