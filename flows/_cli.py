@@ -16,7 +16,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--params", default=str(DEFAULT_PARAMS.relative_to(DEFAULT_PARAMS.parents[1])),
                     help="profile YAML (default params/default.yaml)")
     ap.add_argument("-S", "--set", action="append", default=[], metavar="KEY=YAML",
-                    help="override one param, e.g. -S evaluation.limit=5 (validated like the file)")
+                    help="override one param, e.g. -S finetune.max_tokens=61440 (validated like the file)")
     return ap
 
 
@@ -37,7 +37,7 @@ def overrides_of(args) -> dict:
     overrides = {}
     for kv in args.set:
         if "=" not in kv:
-            raise TransMLAError(f"-S {kv!r} is not KEY=VALUE.", "write e.g. -S evaluation.limit=5.")
+            raise TransMLAError(f"-S {kv!r} is not KEY=VALUE.", "write e.g. -S finetune.max_tokens=61440.")
         k, v = kv.split("=", 1)
         try:
             overrides[k] = yaml.safe_load(v)

@@ -331,7 +331,7 @@ class Profile(Strict):
     def _data_sets(self):
         # misspelt data set names fail here, not when their stage starts after the ones before it (a path:
         # part of the calibration set is looked for by the stages that read it: not every machine has it)
-        from transmla.io.data import PATH_PREFIX, split_calibration, text_spec, training_spec
+        from transmla.io.data import PATH_PREFIX, check_calibration_apart, split_calibration, text_spec, training_spec
 
         cal = [p for p in split_calibration(self.calibration.dataset) if not p.startswith(PATH_PREFIX)]
         for field, names in (("calibration.dataset", cal), ("evaluation.ppl_dataset", [self.evaluation.ppl_dataset]),
@@ -341,10 +341,10 @@ class Profile(Strict):
                     (training_spec if field == "finetune.corpora" else text_spec)(n)  # read as text; trained on
                 except TransMLAError as e:
                     raise ValueError(f"{field}: {e.problem} ({e.fix})") from None
-        if self.evaluation.ppl_dataset in cal:  # the conversion fitted on the text its perplexity is measured on
-            raise ValueError(f"calibration.dataset: {self.evaluation.ppl_dataset} is also evaluation.ppl_dataset: the "
-                             "perplexity would be measured on the calibration text (calibrate on wikitext2-train, "
-                             "the default)")
+        try:
+            check_calibration_apart(self.calibration.dataset, self.evaluation.ppl_dataset, "calibration.dataset")
+        except TransMLAError as e:
+            raise ValueError(f"{e.problem} ({e.fix})") from None
         return self
 
     @field_validator("models")

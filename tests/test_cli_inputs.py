@@ -76,14 +76,17 @@ def test_dry_run_refuses_impossible_q_lora_rank(llama_dir, work, capsys, no_weig
 
 
 @pytest.mark.parametrize("case, words", [("out", "exists and is not empty"), ("cal", "Unknown data set"),
-                                         ("data_dir", "--data-dir")])
+                                         ("data_dir", "--data-dir"),
+                                         # `transmla ppl` scores WikiText-2 test: a conversion fitted on it
+                                         ("cal_test", "includes wikitext2-test, the set perplexity is measured on")])
 @pytest.mark.parametrize("dry", [True, False])
 def test_convert_and_its_dry_run_refuse_the_same_inputs_before_any_work(llama_dir, work, capsys, no_weights, case,
                                                                         words, dry):
     """The dry run says no where the run would: an --out in use, an unknown calibration set, a --data-dir
     without the calibration file (named with its flag; the run loaded the weights before finding it out)."""
     root, common = work
-    flags = {"out": [], "cal": ["--cal-dataset", "nonexist"], "data_dir": ["--data-dir", str(root / "nodata")]}[case]
+    flags = {"out": [], "cal": ["--cal-dataset", "nonexist"], "data_dir": ["--data-dir", str(root / "nodata")],
+             "cal_test": ["--cal-dataset", "wikitext2-train+wikitext2-test"]}[case]
     out = root / "used"
     if case == "out":
         out.mkdir()

@@ -89,8 +89,11 @@ def cmd_ppl(args) -> dict:
 
 def cmd_convert(args) -> dict:
     from transmla.convert import convert, plan_conversion, precheck
+    from transmla.io.data import check_calibration_apart
     from transmla.pipeline.plan import format_plan
 
+    # `transmla ppl` (and the pipeline) measure WikiText-2 test: a conversion fitted on it would be scored on it
+    check_calibration_apart(args.cal_dataset, EV["ppl_dataset"].default, "--cal-dataset")
     if args.dry_run:  # refuses what the run would refuse before its work, then plans from the config
         precheck(args.model, args.out, convert_options(args), cache=args.cache_dir, data_dir=args.data_dir,
                  weights=False)

@@ -286,6 +286,15 @@ def split_calibration(name: str) -> list[str]:
     return [p.strip() for p in parts]
 
 
+def check_calibration_apart(cal_dataset: str, ppl_dataset: str, setting: str) -> None:
+    """Refuse a calibration mix that includes the set perplexity is measured on: the conversion would be fitted
+    on the very text it is then scored on."""
+    if ppl_dataset in split_calibration(cal_dataset):
+        raise TransMLAError(f"{setting} {cal_dataset!r} includes {ppl_dataset}, the set perplexity is measured on: "
+                            "the conversion would be fitted on the text it is scored on.",
+                            "calibrate on wikitext2-train (the default), another corpus or a path: part.")
+
+
 def calibration_parts(name: str) -> list[str]:
     """The parts of a calibration data spec ('wikitext2-train+path:/src/repo'); a clear error if one is bad."""
     parts = split_calibration(name)
