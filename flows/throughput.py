@@ -18,6 +18,7 @@ from tasks import tracking
 from tasks.artifacts import load_json
 from tasks.model import checkpoint_ref, resolve_model
 from tasks.throughput import throughput, tracked, vllm_throughput, write_report
+from transmla.runtime.throughput import processor_name
 
 from . import _cli, layout
 from .params import Profile
@@ -43,13 +44,14 @@ def throughput_flow(profile: Profile, model: str, method: str, budget: float, ch
     tp = profile.throughput
     ckpt = Path(checkpoint or layout.checkpoint_dir(model, method, budget))
     original, converted = resolve_model(profile.model(model).source), checkpoint_ref(ckpt, "convert")
+    host = processor_name(profile.device)  # timings are this machine's: another's are measured again
     result = load_json(throughput(original, converted, list(tp.contexts), tp.batch, tp.steps,
                                   list(tp.full_contexts), tp.threads, tp.cache_memory_gib, profile.device, tp.repeats,
-                                  tp.packed_weights, tp.compiled_decode, tp.native_decode))
+                                  tp.packed_weights, tp.compiled_decode, tp.native_decode, host))
     result["vllm"] = serving_check(profile, ckpt)
     if tp.vllm_contexts and result["vllm"]["status"] in ("passed", "failed"):  # the vLLM env exists
-        result["vllm_throughput"] = load_json(vllm_throughput(original, converted,
-                                                              list(tp.vllm_contexts), tp.vllm_requests, tp.threads))["rows"]
+        result["vllm_throughput"] = load_json(vllm_throughput(original, converted, list(tp.vllm_contexts),
+                                                              tp.vllm_requests, tp.threads, host))["rows"]
     title = f"{model} {layout.variant(method, budget)} vs original"
     dest = Path(out or layout.throughput_dir(model, method, budget))
     write_report(result, title, dest)

@@ -71,8 +71,10 @@ def median_row(rows: list[dict]) -> dict:
 def throughput(original: dict, converted: dict, contexts: list[int], batch: int, steps: int,
                full_contexts: list[int], threads: int | None, cache_memory_gib: float, device: str = "cpu",
                repeats: int = 3, packed_weights: bool = False, compiled_decode: bool = False,
-               native_decode: bool = False) -> dict:
-    """-> ref to {"decode": [rows], "full": [rows], "kv": {...}, "bandwidth": {...}, "compute": {...}} for every run."""
+               native_decode: bool = False, host: str | None = None) -> dict:
+    """-> ref to {"decode": [rows], "full": [rows], "kv": {...}, "bandwidth": {...}, "compute": {...}} for every run.
+    host: the machine that measures (runtime.throughput.processor_name), in the key only: timings from another
+    machine sharing the store (a copied cache, a DVC remote) are measured again, not reported as this one's."""
     from tqdm.auto import tqdm
 
     models = {"original": load_model(original["path"], device=device)[0],
@@ -141,10 +143,12 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
 
 
 @cached_task("vllm_throughput")
-def vllm_throughput(original: dict, converted: dict, contexts: list[int], requests: int, threads: int | None) -> dict:
+def vllm_throughput(original: dict, converted: dict, contexts: list[int], requests: int, threads: int | None,
+                    host: str | None = None) -> dict:
     """vLLM's offline throughput (paper protocol: `requests` random prompts, input = output = context / 2)
     of the original and of the converted model, padded to the MLA sizes vLLM's kernels serve
-    (transmla.runtime.serving) -> ref to {"rows": [...]}. Needs the vLLM environment (transmla.runtime.vllm_env)."""
+    (transmla.runtime.serving) -> ref to {"rows": [...]}. Needs the vLLM environment (transmla.runtime.vllm_env).
+    host: as for `throughput` (the key only)."""
     from transmla.runtime.serving import pad_checkpoint
     from transmla.runtime.vllm_env import run_vllm
 

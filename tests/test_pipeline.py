@@ -572,6 +572,12 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
     calls.clear()
     throughput_flow(prof, "tput", "transmla", 0.25)
     assert calls == []  # cached: same models, params and code
+    import flows.throughput
+
+    # the same store on another machine (a copied cache, a DVC remote): measured again, not reported as its own
+    monkeypatch.setattr(flows.throughput, "processor_name", lambda device: "another machine, 64 cores")
+    throughput_flow(prof, "tput", "transmla", 0.25)
+    assert calls, "timings cached on another machine were reported as this one's"
 
 
 def test_throughput_stage_vllm_sweep(tmp_path, tiny_dir, monkeypatch):
