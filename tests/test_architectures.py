@@ -389,6 +389,30 @@ def test_lossless_conversion_of_a_qwen3(tmp_path, tiny_tokenizer):
     assert cache.values_per_token_per_layer() == [r + R + 2] * 2  # + one key scale per KV head
 
 
+def test_qk_norm_conversions_record_the_key_scales_they_cache(tmp_path, tiny_tokenizer):
+    """A Qwen3 export caches one key scale per token and KV head beside its latent: the recorded KV size and
+    ratio (conversion record, dry-run plan) count them, as the latent cache and the throughput bytes do (they
+    were left out: the recorded ratio was below the cache the model keeps)."""
+    from transmla.convert import plan_conversion
+    from transmla.runtime.absorb import LatentCache, absorbed
+    from transmla.runtime.throughput import kv_values_per_layer
+
+    src = _tiny_qwen3(tmp_path, tiny_tokenizer)
+    o = ConvertOptions(qk_rope_dim=8, kv_lora_rank=16, **CAL)
+    meta = convert(str(src), tmp_path / "mla", o, progress=False)
+    mla = AutoModelForCausalLM.from_pretrained(tmp_path / "mla", dtype=torch.float32)
+    g = mla.config.qk_norm_groups
+    cache = LatentCache(mla.config)
+    with absorbed(mla), torch.no_grad():
+        mla(torch.randint(1, len(tiny_tokenizer), (1, 5)), past_key_values=cache, use_cache=True)
+    stored = cache.values_per_token_per_layer()[0]
+    assert stored == 16 + 8 + g == kv_values_per_layer(mla.config, "absorb")
+    rec = meta["kv_cache_values_per_token_per_layer"]
+    assert rec["mla"] == stored and meta["kv_cache_ratio"] == pytest.approx(stored / rec["original"], abs=1e-6)
+    rates = {"matmul_flops_per_s": 1e10, "eigh_float64_flops_per_s": 1e9}
+    assert plan_conversion(str(src), o, rates=rates).kv_values_per_token_per_layer["mla"] == stored
+
+
 def test_qwen3_compressed_default_mode_and_its_simulation(tmp_path, tiny_tokenizer):
     """A real cut in the default mode (sequential calibration + refit): the stream's simulation of a
     converted QK-norm layer (pipeline.stream.mla_attention) equals the exported module's output, so the

@@ -79,7 +79,7 @@ def conversion_metadata(source: dict, spec: GQASpec, budget: Budget, o: ConvertO
         "qk_rope_head_dim": budget.rope_dim,
         "kv_lora_rank": budget.kv_lora_rank,
         "rope_frequencies": list(budget.plan),
-        "kv_cache_values_per_token_per_layer": {"original": budget.original_kv, "mla": budget.mla_kv},
+        "kv_cache_values_per_token_per_layer": {"original": budget.original_kv, "mla": budget.cached_kv},
         "kv_cache_ratio": round(budget.ratio, 6),
         "kv_cache_reduction": round(1 - budget.ratio, 6),
         "latent_norm_eps": o.norm_eps,

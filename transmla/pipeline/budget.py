@@ -18,6 +18,7 @@ class Budget:
     plan: tuple[int, ...]
     kv_lora_rank: int
     original_kv: int  # values cached per token per layer by the GQA model: 2 g d
+    key_scales: int = 0  # QK-norm models (Qwen3, Gemma 3): one cached key scale per token and KV head, g
 
     @property
     def rope_dim(self) -> int:
@@ -25,11 +26,17 @@ class Budget:
 
     @property
     def mla_kv(self) -> int:
+        """Width of the compressed key/value row kv_a_proj_with_mqa writes: r + R."""
         return self.kv_lora_rank + self.rope_dim
 
     @property
+    def cached_kv(self) -> int:
+        """Values the MLA layer caches per token: r + R, plus the key scales of a QK-norm model."""
+        return self.mla_kv + self.key_scales
+
+    @property
     def ratio(self) -> float:
-        return self.mla_kv / self.original_kv
+        return self.cached_kv / self.original_kv
 
 
 def check_mode(spec: GQASpec, o: ConvertOptions) -> None:
@@ -66,8 +73,9 @@ def resolve_budget(spec: GQASpec, o: ConvertOptions) -> Budget:
     # the normalized freqfold: MHA2MLA and lossless mode ignore the one asked for (and set 1)
     validate_freqfold(o.normalized().freqfold, d)
     check_mode(spec, o)
+    scales = g if spec.qk_norm else 0  # cached beside the latent (recorded in the ratio; the budget is r + R)
     if o.lossless:  # ConvertOptions refuses lossless with any budget option
-        return Budget(tuple(lossless_plan(d, g)), L, 2 * L)
+        return Budget(tuple(lossless_plan(d, g)), L, 2 * L, scales)
     R = o.qk_rope_dim
     r = o.kv_lora_rank
     if o.kv_cache_ratio is not None or (R is None and r is None):
@@ -105,4 +113,4 @@ def resolve_budget(spec: GQASpec, o: ConvertOptions) -> Budget:
             f"span at most 2*g*d - R = {2 * L - R} dims.",
             f"choose kv_lora_rank between 1 and {2 * L - R}.",
         )
-    return Budget(tuple(plan), r, 2 * L)
+    return Budget(tuple(plan), r, 2 * L, scales)

@@ -129,7 +129,7 @@ def conversion_plan(spec: GQASpec, budget: Budget, o: ConvertOptions, rates: dic
         model_type=spec.model_type, layers=spec.n_layers, hidden=D, heads=spec.h, kv_heads=spec.g, head_dim=spec.d,
         intermediate=spec.intermediate_size, vocab=spec.vocab_size, parameters=P, float32_gib=round(P * 4 / GIB, 3),
         qk_rope_head_dim=budget.rope_dim, kv_lora_rank=budget.kv_lora_rank,
-        kv_values_per_token_per_layer={"original": budget.original_kv, "mla": budget.mla_kv},
+        kv_values_per_token_per_layer={"original": budget.original_kv, "mla": budget.cached_kv},
         kv_cache_ratio=round(budget.ratio, 6), calibration_tokens=tokens, passes=passes, load=o.load, device=o.device,
         peak_memory_gib={"load_model": round(in_memory / GIB, 3), "load_layers": round(streamed / GIB, 3),
                          "this_run": round((streamed if o.load == "layers" else in_memory) / GIB, 3),
