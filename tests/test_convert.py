@@ -220,6 +220,26 @@ def test_lossless_export_matches_original(tiny, tmp_path, tiny_model_dir):
     assert torch.equal(a, b)
 
 
+def test_an_export_is_refused_in_float16(tiny, tmp_path, tiny_model_dir):
+    """The latent-norm identity keeps an export's cached latent near 1e-8 rms, under float16's smallest subnormal
+    (6e-8): loaded in float16 its latent underflows (log-probs off by ~0.7 on this tiny model, bfloat16 ~0.01). The
+    loader refuses float16 for an export, with the dtypes that work; the original still loads in it."""
+    from transmla.io.sources import load_model
+
+    out = tmp_path / "mla"
+    convert(str(tiny_model_dir), out, paper(kv_cache_ratio=0.5), progress=False)
+    mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    a = mla.model.layers[0].self_attn
+    ids = _text_ids(tiny[1], 40)
+    with torch.no_grad():
+        lat = a.kv_a_proj_with_mqa(mla.model.layers[0].input_layernorm(mla.model.embed_tokens(ids)))[..., :a.kv_lora_rank]
+    assert lat.pow(2).mean().sqrt() < torch.finfo(torch.float16).smallest_normal  # the reason, measured
+    with pytest.raises(TransMLAError, match="underflow") as e:
+        load_model(str(out), dtype="float16")
+    assert "bfloat16 or float32" in e.value.fix
+    assert load_model(str(tiny_model_dir), dtype="float16")[0].dtype == torch.float16
+
+
 def test_bkv_scaling_exact_before_rank_cut(tiny):
     """alpha rescales keys against up-projections: at full rank BKV on/off give the same model."""
     ids = _text_ids(tiny[1])

@@ -841,6 +841,10 @@ def load_model(source: str | ModelSource, dtype: str = "float32", device: str = 
     src = source if isinstance(source, ModelSource) else parse_source(source)
     loc = materialize(src, cache)
     kwargs = {"revision": src.revision} if src.revision else {}
+    if dtype == "float16" and Path(loc).is_dir() and "transmla" in _read_config(Path(loc) / "config.json"):
+        # the latent-norm identity keeps the cached latent near 1e-8 rms, under float16's smallest subnormal
+        raise TransMLAError(f"{src.text} is a TransMLA export: in float16 its latent rows (about 1e-8 rms, what keeps "
+                            "kv_a_layernorm an identity) underflow to zero.", "load it in bfloat16 or float32.")
     # materialize checked the files; these catch what a listing cannot see (an unreadable tokenizer,
     # a weight file transformers refuses). Other exceptions are bugs and keep their traceback.
     tok = _load_tokenizer(src, loc, kwargs)
