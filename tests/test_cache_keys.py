@@ -178,16 +178,16 @@ def test_dvc_stage_data_deps_follow_the_params(tmp_path):
     from flows.params import load_profile
 
     own = load_profile(overrides={"calibration.dataset": "c4-demo+path:src/code", "finetune.corpora": ["wiki-demo"],
-                                  "evaluation.tasks": ["mmlu", "piqa"], "evaluation.ppl_dataset": "c4-demo"})
+                                  "evaluation.tasks": ["mmlu", "piqa"], "evaluation.ppl_dataset": "wiki-demo"})
     assert dag.data_deps("calibrate", own) == ["${data}/corpus/c4_demo.jsonl", "src/code"]
     assert dag.data_deps("convert", own) == dag.data_deps("calibrate", own)  # transmla-refit streams
     unstreamed = own.model_copy(update={"pipeline": own.pipeline.model_copy(update={"methods": ("mha2mla", "transmla")})})
     assert dag.data_deps("convert", unstreamed) == []
     assert dag.data_deps("finetune", own) == ["${data}/corpus/wiki_demo.jsonl"]
     assert dag.data_deps("evaluate_original", own) == [
-        "${data}/corpus/c4_demo.jsonl", "${data}/benchmarks/mmlu_test.jsonl", "${data}/benchmarks/mmlu_dev.jsonl",
+        "${data}/corpus/wiki_demo.jsonl", "${data}/benchmarks/mmlu_test.jsonl", "${data}/benchmarks/mmlu_dev.jsonl",
         "${data}/benchmarks/piqa_validation.jsonl"]
-    assert dag.data_deps("figures", own) == ["${data}/corpus/c4_demo.jsonl"]
+    assert dag.data_deps("figures", own) == ["${data}/corpus/wiki_demo.jsonl"]
     assert dag.data_deps("throughput", own) == dag.data_deps("report", own) == []
     hub_only = load_profile(overrides={"finetune.corpora": ["fineweb-edu-dedup", "c4-demo"]})
     assert dag.data_deps("finetune", hub_only) == ["${data}/corpus/c4_demo.jsonl"]  # no file to watch on the hub
