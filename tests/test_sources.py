@@ -472,6 +472,12 @@ def _break(d: Path, how: str) -> None:
     elif how == "config transformers refuses":  # valid JSON, valid for the converter's checks, not for transformers
         cfg = json.loads((d / "config.json").read_text())
         (d / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}))
+    elif how == "odd head_dim":  # refused by the config class's validator (huggingface_hub's StrictDataclassError)
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "head_dim": 15}))
+    elif how == "no KV heads":  # loaded, then a ZeroDivisionError inside the model's construction
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 0}))
     elif how == "missing shard":
         (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
         index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
@@ -485,6 +491,8 @@ _BROKEN = [  # (how, the problem, a phrase of the fix)
     ("corrupt config", "Cannot read the model config .*config.json .JSONDecodeError", "restore config.json"),
     # it escaped as transformers' KeyError traceback from inside from_pretrained
     ("config transformers refuses", "config.json does not load in transformers .*KeyError.*factor", "correct the field"),
+    ("odd head_dim", "config.json does not load in transformers .*RoPE requires an even rotary dimension", "correct"),
+    ("no KV heads", "num_key_value_heads is 0, not a positive whole number", "correct it in config.json"),
     ("missing shard", "missing weight shards .* model-00002-of-00002.safetensors", "copy or download the missing"),
 ]
 
@@ -497,10 +505,11 @@ def test_incomplete_dir_is_one_clear_error(tiny_model_dir, tmp_path, how, proble
 
     d = _variant(tiny_model_dir, tmp_path)
     _break(d, how)
-    for call in (load_model, check_source) if "config" in how else (load_model,):
+    for call in (load_model, check_source) if "config" in how or "head" in how else (load_model,):
         with pytest.raises(TransMLAError, match=problem) as e:
             call(str(d))
-        assert str(d) in str(e.value) and fix in str(e.value).split("Fix:")[1] and "\n" not in str(e.value)
+        assert fix in str(e.value).split("Fix:")[1] and "\n" not in str(e.value)
+        assert str(d) in str(e.value) or how == "no KV heads"  # a field's refusal names the field
 
 
 def test_fetch_model_never_copies_pickles(tiny_model_dir, tmp_path, no_unpickling):

@@ -89,11 +89,22 @@ def _slides(cfg, mt: str) -> bool:
     return first is None or n is None or first < n
 
 
+def check_counts(cfg) -> None:
+    """Refuse a head, width or layer count that is present but not a positive whole number (transformers loads
+    `num_key_value_heads: 0` and divides by it when it builds the model)."""
+    for key in ("num_attention_heads", "num_key_value_heads", "hidden_size", "num_hidden_layers", "head_dim"):
+        v = _get(cfg, key, None)  # absent: transformers' default
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise TransMLAError(f"The model config's {key} is {v!r}, not a positive whole number.",
+                                "correct it in config.json (from the model's original release).")
+
+
 def check_config(cfg) -> None:
     """Refuse, with the obstacle named, any config the converter cannot handle. Reads only config
     fields (a transformers config or a plain dict, e.g. from a GGUF header): no weights needed."""
     mt = _get(cfg, "model_type")
     check_architecture(mt)
+    check_counts(cfg)
     if mt == "gemma2":  # transmla.models.Gemma2MLAForCausalLM keeps Gemma 2's layers, soft-capping included
         return
     if mt in ("qwen3", "gemma3_text") and _get(cfg, "attention_bias", False):

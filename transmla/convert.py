@@ -51,9 +51,11 @@ def config_spec(cfg: dict) -> GQASpec | None:
     if not set(cfg) - {"model_type"}:
         return None
     cfg = dict(cfg)
+    from huggingface_hub.errors import StrictDataclassError
+
     try:
         config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    except (KeyError, TypeError, ValueError):  # the loaded model's config decides, after materialising
+    except (KeyError, TypeError, ValueError, StrictDataclassError):  # the loaded model's config decides, later
         return None
     return read_spec(config)
 

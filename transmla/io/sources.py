@@ -707,15 +707,17 @@ def check_config_loads(path: Path) -> None:
     its KeyError or ValueError from inside from_pretrained."""
     from importlib.metadata import version
 
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     import transmla.models  # noqa: F401  (an export's model type is this package's)
 
     try:
         AutoConfig.from_pretrained(str(path))
-    except (KeyError, ValueError, TypeError, AttributeError) as e:
+    except (KeyError, ValueError, TypeError, AttributeError, StrictDataclassError) as e:  # the config's validators
+        why = " ".join(str(e).split())  # a validator's reason is on the message's last line: all of it, one line
         raise TransMLAError(f"{path / 'config.json'} does not load in transformers {version('transformers')} "
-                            f"({type(e).__name__}: {_first_line(e)}).",
+                            f"({type(e).__name__}: {why[:300]}).",
                             "correct the field it names, or restore config.json from where the model came from.") from None
 
 
@@ -723,7 +725,9 @@ def check_model_dir(path: Path) -> None:
     """Refuse a local directory that cannot load as a model: a corrupt config.json (or one transformers
     refuses), no safetensors weights (pickles alone included), a sharded checkpoint missing shards, no tokenizer
     files, or tokenizer files that cannot be read (empty, or JSON ones that do not parse)."""
-    _read_config(path / "config.json")
+    from transmla.adapters import check_counts
+
+    check_counts(_read_config(path / "config.json"))
     check_config_loads(path)
     names = {p.name for p in path.iterdir()}
     if not names & set(SAFETENSORS_WEIGHTS):
