@@ -101,7 +101,9 @@ def figures(profile: Profile, model: str, stats_file: str | None = None, out_dir
              "fig5": plot_fig5(fig5, out / "fig5_bkv.png")}
     summary = {"model": model, "files": files, "fig4a_energy": energy, "fig4b": fig4b,
                "fig5": {k: fig5[k] for k in ("alpha", "ppl", "budget", "qk_rope_head_dim", "kv_lora_rank", "tokens")}}
-    write_text_atomic(layout.REPORTS / "metrics" / model / "figures.json", json.dumps(summary, indent=2))
+    # the pipeline's record (a DVC out) only for the pipeline's own run: a one-off into out_dir keeps it there
+    record = layout.REPORTS / "metrics" / model / "figures.json" if out_dir is None else out / "figures.json"
+    write_text_atomic(record, json.dumps(summary, indent=2))
     return summary
 
 

@@ -691,6 +691,14 @@ def test_paper_flow_end_to_end(tmp_path, tiny_dir, monkeypatch):
     fig = json.loads((tmp_path / "reports/metrics/e2e/figures.json").read_text())
     assert set(fig["fig4b"]["curves"]) == {"MHA2MLA (2-norm)", "RoRoPE", "RoRoPE + FreqFold 4"}
     assert set(fig["fig5"]["ppl"]) == {"weights", "weights + BKV", "activations", "activations + BKV"}
+    # a one-off figures run into its own folder (cached points) writes its record there, not over the pipeline's
+    from flows.figures import figures
+
+    record = (tmp_path / "reports/metrics/e2e/figures.json").read_bytes()
+    one_off = figures(load_profile(write_profile(tmp_path, tiny_dir, name="e2e", figures={"fig5_budget": 0.5})),
+                      "e2e", out_dir=str(tmp_path / "one-off"))
+    assert (tmp_path / "reports/metrics/e2e/figures.json").read_bytes() == record
+    assert json.loads((tmp_path / "one-off/figures.json").read_text()) == one_off and one_off["fig5"]["budget"] == 0.5
     # MLflow: one run per (model, method, budget), nested under the model's pipeline run.
     runs = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.model` = 'e2e'",
                               output_format="list")
