@@ -22,6 +22,7 @@ from transmla.errors import TransMLAError
 from tasks.report import table_row, tracked_metrics
 from transmla.evaluation.benchmarks import BENCHMARK_DATA
 from transmla.io.paths import write_text_atomic
+from transmla.runtime import vllm_env
 
 from . import _cli, layout
 from .params import Profile
@@ -37,7 +38,8 @@ def evaluate_ref(profile: Profile, model_ref: dict, dtype: str = "float32", refe
     data = [dataset_ref(n, source="local") for t in ev.tasks for n in BENCHMARK_DATA[t]]
     bench = benchmarks(model_ref, data, list(ev.tasks), ev.limit, ev.batch_size, ev.seed, dtype, profile.device,
                        ev.protocol, dict(ev.limits), backend_of(ev),
-                       dict(ev.reference_limits) if reference else None)
+                       dict(ev.reference_limits) if reference else None,
+                       vllm_env.environment() if ev.backend == "vllm" else None)  # another vLLM: other scores
     cases = case_study(model_ref, dtype=dtype, device=profile.device)
     return {"ppl": load_json(ppl), "benchmarks": json.loads((Path(bench["path"]) / "results.json").read_text()),
             "bench_ref": bench, "case_study": load_json(cases)["rows"]}

