@@ -32,8 +32,9 @@ def task_runner(runner: RunnerParams) -> TaskRunner:
     if runner.address:
         return DaskTaskRunner(address=runner.address)
     # Dask's nanny starts workers with OMP/MKL/OpenBLAS at 1 thread (sized for many small numpy
-    # tasks); a variant is one long torch job, so each worker gets its share of this machine's cores.
-    threads = str(max(1, (os.cpu_count() or 1) // runner.workers))
+    # tasks); a variant is one long torch job, so each of the workers x threads_per_worker variants running at
+    # once gets its share of this machine's cores (per worker alone, threads_per_worker > 1 oversubscribed them)
+    threads = str(max(1, (os.cpu_count() or 1) // (runner.workers * runner.threads_per_worker)))
     return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={
         "n_workers": runner.workers, "threads_per_worker": runner.threads_per_worker, "processes": True,
         "host": "127.0.0.1", "dashboard_address": None,

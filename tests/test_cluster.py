@@ -180,6 +180,19 @@ def test_task_runner_kinds():
     assert isinstance(remote, DaskTaskRunner) and remote.address == "tcp://10.0.0.1:8786"
 
 
+def test_a_local_cluster_shares_the_cores_among_the_variants_it_runs_at_once(monkeypatch):
+    """workers x threads_per_worker variants run at once, each one torch job: each gets cores / (their number)
+    threads (per worker alone, 2 workers x 4 variants on 16 cores made 64 compute threads)."""
+    import flows.cluster as C
+    from flows.params import RunnerParams
+
+    monkeypatch.setattr(C.os, "cpu_count", lambda: 16)
+    for workers, per_worker, want in ((2, 1, "8"), (2, 4, "2"), (4, 8, "1")):
+        kw = C.task_runner(RunnerParams(kind="dask", workers=workers, threads_per_worker=per_worker)).cluster_kwargs
+        assert kw["n_workers"] == workers and kw["threads_per_worker"] == per_worker
+        assert kw["env"]["OMP_NUM_THREADS"] == kw["env"]["MKL_NUM_THREADS"] == want, (workers, per_worker)
+
+
 def test_paper_flow_ships_to_workers():
     """Dask pickles the variant task and the flow run's context (the flow): by name, not by value
     (by value, their globals drag in the cached tasks' context variables, which do not pickle)."""
