@@ -66,7 +66,10 @@ def convert(profile: Profile, model: str, method: str, budget: float, out: str |
     ckpt = converted(profile, model_ref, o, str(out or layout.checkpoint_dir(model, method, budget)), stats_file,
                      replace=out is None)
     info = ckpt["transmla"]
-    tracking.track(profile.mlflow.experiment, model, method, budget, config=o.model_dump(),
+    # the run is replaced when the model behind the name changes too (its params are write-once: a reused run
+    # kept the first source beside the new metrics)
+    tracking.track(profile.mlflow.experiment, model, method, budget,
+                   config={**o.model_dump(), "source": model_ref.get("source"), "model_sha256": model_ref["sha256"]},
                    params={"model": model, "source": profile.model(model).source, **o.used(),
                            "qk_rope_head_dim": info["qk_rope_head_dim"], "kv_lora_rank": info["kv_lora_rank"]},
                    metrics={**{k: info[k] for k in ("kv_cache_ratio", "kv_cache_reduction", "mean_rope_energy",

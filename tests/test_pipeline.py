@@ -227,6 +227,25 @@ def test_convert_cache_keys(tmp_path, tiny_dir, monkeypatch):
         convert(prof, "tiny", "transmla", 0.25, out=default[0]["path"])
 
 
+def test_a_model_name_pointed_at_another_source_gets_a_new_tracking_run(tmp_path, tiny_dir, monkeypatch):
+    """MLflow: the (model, method, budget) run of a conversion is replaced when the name's source changes (its
+    params are write-once: the reused run kept the old source beside the new metrics)."""
+    import mlflow
+
+    from flows.convert import convert
+    from flows.params import load_profile
+
+    monkeypatch.chdir(tmp_path)
+    other = tmp_path / "other-release"
+    shutil.copytree(tiny_dir, other)
+    for source in (tiny_dir, other):
+        prof = load_profile(write_profile(tmp_path, source, name="srcswap"))
+        convert(prof, "srcswap", "transmla", 0.25, out=str(tmp_path / f"ckpt-{source.name}"))
+    runs = mlflow.search_runs(experiment_names=["transmla"], output_format="list",
+                              filter_string="tags.`transmla.model` = 'srcswap' and tags.`transmla.role` = 'variant'")
+    assert len(runs) == 1 and runs[0].data.params["source"] == str(other)
+
+
 def test_streamed_row_is_one_cached_task(tmp_path, tiny_dir, monkeypatch):
     """The recommended row (sequential calibration + refit): one cached task for all layers (no parallel
     statistics), a byte-identical export on the rerun, the mode in config.json, and the paper's row unchanged."""
