@@ -37,13 +37,36 @@ def rows_of(profile: Profile) -> list[dict]:
     return rows
 
 
+def expected_docs(r: dict, ev, task: str) -> int | None:
+    """How many documents of `task` the params score for row r (the Original row: its reference_limits'
+    superset), capped by the task's size where the row records it; None: every document, size unknown."""
+    limit = (ev.reference_limits.get(task) if r["method"] == "original" and not r.get("finetuned") else None) \
+        or ev.limits.get(task, ev.limit)
+    sizes = (r.get("sizes") or {}).get(task)
+    total = sum(sizes.values()) if sizes else None
+    if limit is None:
+        return total
+    return limit if total is None else min(limit, total)
+
+
 def check_protocol(rows: list[dict], ev) -> None:
     """The table's notes describe the rows from the params: refuse rows scored under other evaluation params
-    (a stale metrics file, or `-S evaluation....` given to the report alone)."""
+    (a stale metrics file, or `-S evaluation....` given to the report alone): the protocol, the document limit,
+    each benchmark's document count (per-benchmark limits, the reference superset) and the perplexity tokens,
+    which must also be one count for every row (the note states one)."""
     want = {"protocol": ev.protocol, "eval_limit": ev.limit}
     stale = []
+    ppl_counts = {r.get("ppl_tokens") for r in rows if r.get("ppl_tokens") is not None}
     for r in rows:
         off = [f"{k} {r.get(k)!r}" for k, v in want.items() if r.get(k) != v]
+        for task, n in (r.get("benchmark_n") or {}).items():
+            docs = expected_docs(r, ev, task)
+            if docs is not None and n != docs:
+                off.append(f"{task} on {n} docs (the params: {docs})")
+        tokens = r.get("ppl_tokens")
+        if tokens is not None and ((ev.ppl_max_tokens is not None and tokens > ev.ppl_max_tokens)
+                                   or (len(ppl_counts) > 1 and tokens != max(ppl_counts))):
+            off.append(f"perplexity over {tokens} tokens (the params: {ev.ppl_max_tokens or 'all'})")
         if off:
             name = f"{r['model']} {r['method']}" + ("" if r["budget"] is None else f" {r['budget']}")
             stale.append(f"{name}{' ft' if r.get('finetuned') else ''}: {', '.join(off)}")

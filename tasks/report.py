@@ -7,6 +7,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from transmla.errors import TransMLAError
 from transmla.evaluation.benchmarks import paired_columns
 from transmla.evaluation.prompts import NEW_TOKENS
 from transmla.io.paths import write_text_atomic
@@ -65,7 +66,13 @@ def paired_to_original(rows: list[dict]) -> list[dict | None]:
     for r in rows:
         o = orig.get(r["model"])
         ok = r["method"] != "original" and o is not None and r.get("scores") and o.get("scores")
-        out.append(paired_columns(r, o) if ok else None)
+        try:
+            out.append(paired_columns(r, o) if ok else None)
+        except ValueError as e:  # scored on other documents than the original (another seed or sample)
+            name = f"{r['model']} {r['method']}" + ("" if r["budget"] is None else f" {r['budget']}")
+            raise TransMLAError(f"{name}{' ft' if r.get('finetuned') else ''} was scored on other documents than its "
+                                f"original row ({str(e)[:120]}...): no paired difference exists.",
+                                "evaluate every row with the same evaluation params (seed, limits), e.g. dvc repro.") from None
     return out
 
 

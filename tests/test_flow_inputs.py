@@ -328,6 +328,48 @@ def test_report_refuses_rows_scored_under_other_evaluation_params(tmp_path, monk
         rows_of(load_profile(_profile(tmp_path), {"evaluation.protocol": "lm_eval", "evaluation.limit": 5}))
 
 
+def test_report_refuses_rows_with_other_document_counts_or_perplexity_tokens(tmp_path, monkeypatch):
+    """Beyond protocol and limit: each benchmark's document count (per-benchmark limits, the Original row's
+    reference superset, capped by the task's size) and the perplexity tokens must be what the params say, and
+    one token count for every row (a row measured with limits.mmlu=400 or over 16,384 tokens was accepted and
+    the notes mixed them); rows scored on other documents fail as one error, not a ValueError."""
+    from flows import layout
+    from flows.params import load_profile
+    from flows.report import rows_of
+    from tasks.report import paired_to_original
+
+    over = {"evaluation.protocol": "paper", "evaluation.limit": 5, "evaluation.limits": {"mmlu": 8},
+            "evaluation.reference_limits": {"mmlu": 20}, "evaluation.ppl_max_tokens": 4096}
+    profile = load_profile(_profile(tmp_path), over)
+    monkeypatch.setattr(layout, "metrics_file", lambda m, meth, b, ft: tmp_path / f"{meth}-{b}-{ft}.json")
+    sizes = {"mmlu": {"offline_mmlu_a": 30, "offline_mmlu_b": 30}, "arc_easy": {"offline_arc_easy": 3}}
+    row = {"model": "tiny", "finetuned": False, "protocol": "paper", "eval_limit": 5, "ppl_tokens": 4096,
+           "sizes": sizes}
+
+    def write(meth, b, **kw):
+        n = {"mmlu": 20 if meth == "original" else 8, "arc_easy": 3}  # arc_easy: 3 docs in all, under the limit
+        (tmp_path / f"{meth}-{b}-False.json").write_text(json.dumps({**row, "method": meth, "budget": b,
+                                                                     "benchmark_n": n, **kw}))
+
+    write("original", None)
+    write("transmla", 0.25)
+    assert len(rows_of(profile)) == 2
+    write("transmla", 0.25, benchmark_n={"mmlu": 400, "arc_easy": 3})
+    with pytest.raises(TransMLAError, match=r"tiny transmla 0.25: mmlu on 400 docs \(the params: 8\)"):
+        rows_of(profile)
+    write("transmla", 0.25, ppl_tokens=2048)
+    with pytest.raises(TransMLAError, match=r"tiny transmla 0.25: perplexity over 2048 tokens"):
+        rows_of(profile)
+    write("transmla", 0.25)
+    with pytest.raises(TransMLAError, match=r"tiny original: mmlu on 20 docs \(the params: 8\)"):
+        rows_of(load_profile(_profile(tmp_path), {**over, "evaluation.reference_limits": {}}))
+    rows = [{"model": "tiny", "method": m, "budget": b, "finetuned": False,
+             "scores": {"arc_easy": {"offline_arc_easy": {d: 1.0}}},
+             "sizes": {"arc_easy": {"offline_arc_easy": 3}}} for m, b, d in (("original", None, "0"), ("transmla", 0.25, "1"))]
+    with pytest.raises(TransMLAError, match="tiny transmla 0.25 was scored on other documents"):
+        paired_to_original(rows)
+
+
 @pytest.mark.parametrize("flags", [[], ["--model", "tiny"]], ids=["no-model", "model"])
 def test_entry_runs_a_flow_with_and_without_model(tmp_path, flags):
     """The flows without --model (report, paper) pass the up-front checks and reach their flow, called with
