@@ -440,22 +440,20 @@ def test_padded_sdpa_honours_padding_and_a_static_cache(tiny, which):
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
     impl = m.config._attn_implementation
-    kw = dict(do_sample=False, max_new_tokens=6, min_new_tokens=6, pad_token_id=0, attention_mask=torch.ones_like(ids))
+
+    @torch.no_grad()
+    def run():  # padded-batch logits, greedy tokens through a StaticCache, one static decode step's logits
+        static = m.generate(ids[1:, :12], cache_implementation="static", do_sample=False, max_new_tokens=6,
+                            min_new_tokens=6, pad_token_id=0)
+        cache = StaticCache(config=m.config, max_cache_len=32)
+        m(ids[1:, :12], past_key_values=cache, use_cache=True)
+        return m(ids, attention_mask=mask).logits, static, m(ids[1:, 12:13], past_key_values=cache, use_cache=True).logits
+
     try:
         m.set_attn_implementation("sdpa")
-        with torch.no_grad():
-            want = m(ids, attention_mask=mask).logits
-            want_static = m.generate(ids[1:, :12], cache_implementation="static", **{**kw, "attention_mask": None})
-            cache = StaticCache(config=m.config, max_cache_len=32)
-            m(ids[1:, :12], past_key_values=cache, use_cache=True)
-            want_step = m(ids[1:, 12:13], past_key_values=cache, use_cache=True).logits
+        want, want_static, want_step = run()
         use_causal_padded_sdpa(m)
-        with torch.no_grad():
-            got = m(ids, attention_mask=mask).logits
-            got_static = m.generate(ids[1:, :12], cache_implementation="static", **{**kw, "attention_mask": None})
-            cache = StaticCache(config=m.config, max_cache_len=32)
-            m(ids[1:, :12], past_key_values=cache, use_cache=True)
-            got_step = m(ids[1:, 12:13], past_key_values=cache, use_cache=True).logits
+        got, got_static, got_step = run()
     finally:
         m.config._attn_implementation = impl
     assert (got - want)[:, 5:].abs().max() < 1e-4 and (got - want)[1].abs().max() < 1e-4
