@@ -107,6 +107,13 @@ def check_inputs(kwargs: dict) -> None:
                             "the pipeline's own.")
 
 
+def check_tracking() -> None:
+    """The MLflow store answers (tasks.tracking.check_store), before a flow that logs to it starts its work."""
+    from tasks import tracking
+
+    tracking.check_store()
+
+
 def run(main) -> None:
     """Run `main()`; a TransMLAError becomes one line with its fix and exit code 2.
 
@@ -344,14 +351,15 @@ def _own_group_for_temporary_server(interrupts: _Interrupts) -> None:
 
 
 def entry(flow, doc: str, variant: bool | str = False, model: bool = True, new_outputs: dict[str, str] | None = None,
-          **options: str) -> None:
+          tracked: bool = True, **options: str) -> None:
     """The command line of one flow module: `python -m flows.<name>`.
 
     --params/-S always; --model (and --method/--budget for a converted `variant`); each option
     `name="help"` becomes --name (a flag if the help starts with "flag:"), passed to the flow as
     name=value when given. The flow is called as flow(profile, model, method, budget, **options).
     new_outputs: {option: "new_dir" | "new_file"}: output options refused when given and already holding something.
-    The profile, --model/--method/--budget and those outputs are checked before the flow run starts.
+    tracked: the flow logs to MLflow, whose store must answer.
+    The profile, --model/--method/--budget, those outputs and the store are checked before the flow run starts.
     """
     ap = variant_parser(doc, original=variant == "or-original") if variant else parser(doc)
     if model and not variant:
@@ -372,6 +380,8 @@ def entry(flow, doc: str, variant: bool | str = False, model: bool = True, new_o
         check_variant(profile, *pos)
         check_new_outputs(args, new_outputs or {})
         check_inputs(kwargs)
+        if tracked:
+            check_tracking()
         result = flow(profile, *pos, **kwargs)
         if isinstance(result, str):
             print(result)

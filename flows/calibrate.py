@@ -28,5 +28,5 @@ def calibrate(profile: Profile, model: str, out: str | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    _cli.entry(calibrate, __doc__, new_outputs={"out": "new_file"},
+    _cli.entry(calibrate, __doc__, new_outputs={"out": "new_file"}, tracked=False,
                out="statistics file (default artifacts/<model>/calibration.safetensors)")

@@ -108,4 +108,4 @@ def figures(profile: Profile, model: str, stats_file: str | None = None, out_dir
 
 
 if __name__ == "__main__":
-    _cli.entry(figures, __doc__, stats_file="calibration statistics file (default: computed, cached)")
+    _cli.entry(figures, __doc__, tracked=False, stats_file="calibration statistics file (default: computed, cached)")

@@ -26,6 +26,10 @@ _DEFAULTS = {
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "MLFLOW_TRACKING_URI": f"sqlite:///{STORE / 'mlflow.db'}",
+    # A tracking server that went away mid-run: MLflow's defaults (7 retries, 2^k s apart, 120 s per request)
+    # hold a finished stage for minutes before it fails; these fail it in about 15 s.
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
 }
 for _k, _v in _DEFAULTS.items():
     os.environ.setdefault(_k, _v)

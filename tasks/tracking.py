@@ -14,10 +14,52 @@ import os
 import time
 from pathlib import Path
 
+from transmla.errors import TransMLAError
+
 from ._env import STORE
 
 ROLE, MODEL, METHOD, BUDGET, FINETUNED, CONFIG = ("transmla.role", "transmla.model", "transmla.method",
                                                   "transmla.budget", "transmla.finetuned", "transmla.config")
+
+
+_LOCAL_FIX = f"unset MLFLOW_TRACKING_URI to track into the pipeline's own store ({STORE / 'mlflow.db'})"
+
+
+def check_store(uri: str | None = None, timeout: float = 5.0) -> None:
+    """The tracking store answers, checked before a stage starts its work: MLflow would find out only
+    when the stage logs, after its outputs are written, and retries an absent server for minutes first.
+
+    http(s): any HTTP answer from `<uri>/health` counts (a proxy may refuse it; MLflow then says why);
+    no answer within `timeout` is refused. sqlite: the file, where there is one, is an SQLite database
+    and its folder is not a file. Other stores (databases, Databricks) are left to MLflow."""
+    import urllib.error
+    import urllib.request
+
+    uri = uri or os.environ["MLFLOW_TRACKING_URI"]
+    if uri.startswith(("http://", "https://")):
+        try:
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout).close()
+        except urllib.error.HTTPError:
+            pass
+        except (OSError, ValueError) as e:
+            reason = getattr(e, "reason", None) or e
+            raise TransMLAError(f"MLflow tracking server {uri} (MLFLOW_TRACKING_URI) does not answer ({reason}).",
+                                f"start it (e.g. mlflow server --host 127.0.0.1 --port PORT) or {_LOCAL_FIX}.") from None
+    elif uri.startswith("sqlite:///"):
+        path = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+        if path.exists():
+            ok = path.is_file()
+            if ok and path.stat().st_size:
+                with path.open("rb") as f:
+                    ok = f.read(16) == b"SQLite format 3\x00"
+            if not ok:
+                raise TransMLAError(f"MLflow tracking store {path} (MLFLOW_TRACKING_URI) is not an SQLite database.",
+                                    f"point MLFLOW_TRACKING_URI at a new or existing mlflow.db, or {_LOCAL_FIX}.")
+        else:
+            folder = next((p for p in path.parents if p.exists()), None)
+            if folder is not None and not folder.is_dir():
+                raise TransMLAError(f"MLflow tracking store {path} (MLFLOW_TRACKING_URI): {folder} is a file, "
+                                    "not a folder.", f"point MLFLOW_TRACKING_URI at a path in a folder, or {_LOCAL_FIX}.")
 
 
 def _client(experiment: str):
@@ -103,17 +145,41 @@ def log(client, run_id: str, params: dict | None = None, metrics: dict | None = 
         client.log_artifact(run_id, str(f))
 
 
+class _StoreErrors:
+    """MLflow's failures to reach or write its store (a server that went away after check_store, a full disk)
+    as one TransMLAError: the stage logs last, after its outputs are written and its steps cached."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is None:
+            return False
+        from mlflow.exceptions import MlflowException
+        from sqlalchemy.exc import SQLAlchemyError
+
+        if not isinstance(exc, (MlflowException, SQLAlchemyError, OSError)):
+            return False  # a bug: its traceback
+        uri = os.environ["MLFLOW_TRACKING_URI"]
+        line = " ".join(str(exc).split())[:300]
+        raise TransMLAError(f"MLflow tracking into {uri} failed: {line}",
+                            f"make the store reachable (or {_LOCAL_FIX}) and rerun the stage: its finished steps "
+                            "are cached.") from exc
+
+
 def track(experiment: str, model: str, method: str, budget: float | None, *, config: dict | None = None,
           finetuned: bool = False, **logged) -> None:
     """Log into the (model, method, budget[, fine-tuned]) run: the one call every flow makes."""
-    client, run_id = stage_run(experiment, model, method, budget, config, finetuned)
-    log(client, run_id, **logged)
+    with _StoreErrors():
+        client, run_id = stage_run(experiment, model, method, budget, config, finetuned)
+        log(client, run_id, **logged)
 
 
 def log_files(experiment: str, model: str, files: list) -> None:
     """Files (the table, figures) into the model's pipeline run."""
-    client, exp_id = _client(experiment)
-    log(client, pipeline_run(client, exp_id, model), files=files)
+    with _StoreErrors():
+        client, exp_id = _client(experiment)
+        log(client, pipeline_run(client, exp_id, model), files=files)
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

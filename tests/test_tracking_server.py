@@ -65,3 +65,114 @@ def test_pipeline_tracking_logs_to_a_server(mlflow_server, tmp_path, monkeypatch
     assert [m.value for m in client.get_metric_history(variant.info.run_id, "loss")] == [3.0, 2.5]
     assert [f.path for f in client.list_artifacts(runs["pipeline"].info.run_id)] == ["table1.md"]
     assert any(p.name == "table1.md" for p in artifacts.rglob("*"))  # stored where the server keeps artifacts
+
+
+# ------------------------------------------------------------------ a store that does not answer
+
+
+def _closed_url() -> str:
+    return f"http://127.0.0.1:{_free_port()}"  # nothing listens there once the probe socket is closed
+
+
+def test_an_absent_server_is_refused_before_the_flow_starts(tmp_path):
+    """MLFLOW_TRACKING_URI at a server that is not running: the flow command says so, with the fix, before
+    its run starts (MLflow found out only when the stage logged, after its work, and retried for minutes).
+    PREFECT_API_URL points at a closed port too: a flow run that started would fail otherwise."""
+    import yaml
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    params = tmp_path / "profile.yaml"
+    params.write_text(yaml.safe_dump({"models": {"tiny": {"source": str(tmp_path / "no-such-model")}},
+                                      "pipeline": {"models": ["tiny"], "budgets": [0.25], "methods": ["transmla"]}}))
+    url = _closed_url()
+    env = {**os.environ, "PYTHONPATH": repo, "MLFLOW_TRACKING_URI": url, "PREFECT_API_URL": _closed_url() + "/api",
+           "PREFECT_CLIENT_MAX_RETRIES": "0"}
+    r = subprocess.run([sys.executable, "-m", "flows.convert", "--params", str(params), "--model", "tiny",
+                        "--method", "transmla", "--budget", "0.25"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+    for words in (f"transmla: error: MLflow tracking server {url}", "does not answer", "Fix:",
+                  "mlflow server --host 127.0.0.1", "unset MLFLOW_TRACKING_URI"):
+        assert words in lines[0], lines[0]
+    assert not (tmp_path / "artifacts").exists()
+
+
+def test_check_store_accepts_any_http_answer_and_usable_sqlite(tmp_path):
+    """Any HTTP answer counts (a proxy may refuse /health; MLflow then says why); a new sqlite file in a
+    new folder, or an existing MLflow database, passes."""
+    import http.server
+    import threading
+
+    from tasks import tracking
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(404)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        tracking.check_store(f"http://127.0.0.1:{srv.server_address[1]}")
+    finally:
+        srv.shutdown()
+    tracking.check_store(f"sqlite:///{tmp_path / 'new' / 'mlflow.db'}")
+    assert not (tmp_path / "new").exists()  # checked, not created
+    db = tmp_path / "mlflow.db"
+    tracking.check_store(f"sqlite:///{db}")
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri=f"sqlite:///{db}").create_experiment("x")
+    tracking.check_store(f"sqlite:///{db}")
+
+
+def test_check_store_refuses_what_is_not_a_store(tmp_path):
+    from tasks import tracking
+    from transmla.errors import TransMLAError
+
+    not_db = tmp_path / "notes.db"
+    not_db.write_text("my notes")
+    with pytest.raises(TransMLAError, match="is not an SQLite database"):
+        tracking.check_store(f"sqlite:///{not_db}")
+    assert not_db.read_text() == "my notes"
+    with pytest.raises(TransMLAError, match="is a file, not a folder"):
+        tracking.check_store(f"sqlite:///{not_db / 'sub' / 'mlflow.db'}")
+    with pytest.raises(TransMLAError, match="does not answer"):
+        tracking.check_store(_closed_url())
+
+
+def test_a_store_lost_while_logging_is_one_error(monkeypatch):
+    """A server that goes away after the up-front check: the stage's last step (logging) fails as one line
+    naming the store and the fix, after few retries, not MLflow's exception after minutes of them; a bug in
+    what is logged keeps its traceback."""
+    from tasks import tracking
+    from transmla.errors import TransMLAError
+
+    url = _closed_url()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with pytest.raises(TransMLAError, match=f"MLflow tracking into {url} failed") as e:
+        tracking.track("lost", "tiny", "transmla", 0.125, metrics={"ppl": 1.0})
+    assert "\n" not in str(e.value) and "rerun" in str(e.value)
+    with pytest.raises(TransMLAError, match="failed"):
+        tracking.log_files("lost", "tiny", [])
+    monkeypatch.setattr(tracking, "stage_run", lambda *a, **k: (_ for _ in ()).throw(TypeError("a bug")))
+    with pytest.raises(TypeError, match="a bug"):
+        tracking.track("lost", "tiny", "transmla", 0.125)
+
+
+def test_mlflow_retries_a_lost_server_briefly():
+    """The pipeline's defaults for MLflow's HTTP retries (a stage's logging gives up in seconds, not minutes),
+    unless the environment sets its own."""
+    code = ("import tasks, os; print(os.environ['MLFLOW_HTTP_REQUEST_MAX_RETRIES'], "
+            "os.environ['MLFLOW_HTTP_REQUEST_TIMEOUT'])")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_HTTP_REQUEST")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["3", "30"], out.stderr
+    env["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "7"
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["7", "30"], out.stderr
