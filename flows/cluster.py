@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from prefect import Task
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
+from transmla.errors import TransMLAError
+
 from .params import RunnerParams
 
 
@@ -43,20 +45,37 @@ def task_runner(runner: RunnerParams) -> TaskRunner:
                 "PREFECT_API_URL": _prefect_api()}})
 
 
-def run_matrix(fn: Task, calls: Sequence[tuple], runner: RunnerParams) -> list:
+def run_matrix(fn: Task, calls: Sequence[tuple], runner: RunnerParams, names: Sequence[str] | None = None) -> list:
     """fn(*call) for every call, in order -> their results, inside a flow run with `task_runner(runner)`.
 
     local: its function called one after another in the flow's thread, as plain steps of the flow
     (what the flow did before it had a runner; an interrupt stops the running call at once,
-    flows/_cli.py). dask: each call a task run on the cluster, all submitted, then awaited; the
-    first failure is raised once every call has finished, so the others' outputs are kept.
+    flows/_cli.py). dask: each call a task run on the cluster, all submitted, then awaited; once every
+    call has finished (the others' outputs are kept) the failures are raised together: one failure as
+    itself, several input errors as one TransMLAError naming each call (`names`, default fn's name and
+    the call's index) with its own fix, anything else as an ExceptionGroup (each its traceback).
     """
     if runner.kind == "local":
         return [fn.fn(*call) for call in calls]
     futures = [fn.submit(*call) for call in calls]
     for f in futures:
         f.wait()
-    return [f.result() for f in futures]
+    names = list(names) if names is not None else [f"{fn.name} #{i}" for i in range(len(calls))]
+    results, failed = [], []
+    for name, f in zip(names, futures):
+        try:
+            results.append(f.result())
+        except Exception as e:  # noqa: BLE001  (collected: raised below, with the other calls' failures)
+            failed.append((name, e))
+    if not failed:
+        return results
+    if len(failed) == 1:
+        raise failed[0][1]
+    what = f"{len(failed)} of {len(calls)} runs failed"
+    if all(isinstance(e, TransMLAError) for _, e in failed):
+        raise TransMLAError(f"{what}: " + " | ".join(f"[{name}] {e}" for name, e in failed),
+                            "apply each one's fix and rerun: the runs that finished are cached.")
+    raise ExceptionGroup(f"{what}: {', '.join(name for name, _ in failed)}", [e for _, e in failed])
 
 
 def _prefect_api() -> str:

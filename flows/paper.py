@@ -54,8 +54,9 @@ def pipeline(profile: Profile, no_figures: bool = False, no_throughput: bool = F
     for model in p.models:
         stats = calibrate(profile, model)["path"]
         evaluate(profile, model, "original")
-        cluster.run_matrix(variant, [(profile, model, method, budget, stats)
-                                     for budget in p.budgets for method in p.methods], profile.runner)
+        cells = [(budget, method) for budget in p.budgets for method in p.methods]
+        cluster.run_matrix(variant, [(profile, model, method, budget, stats) for budget, method in cells],
+                           profile.runner, names=[f"{model} {method} {budget:g}" for budget, method in cells])
         if not no_figures:
             figures(profile, model, stats_file=stats)
         # appendix F, one run at a time on this machine (the params keep these rows inside the matrix above)

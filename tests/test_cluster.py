@@ -205,3 +205,46 @@ def test_paper_flow_ships_to_workers():
     assert loads(dumps(variant)).fn is variant_rows
     flow_on_dask = paper_flow.with_options(task_runner=task_runner(RunnerParams(kind="dask", address="tcp://127.0.0.1:1")))
     assert loads(dumps(flow_on_dask)).fn is paper_flow.fn
+
+
+@task(persist_result=False)
+def checked(i: int) -> int:
+    """A matrix cell that fails for some inputs: a user's mistake (TransMLAError) or a bug (ValueError)."""
+    if i in (1, 3):
+        raise TransMLAError(f"cell {i} got bad input.", f"give cell {i} good input.")
+    if i == 4:
+        raise ValueError("cell 4 has a bug")
+    return i * 10
+
+
+@flow
+def failing_matrix(cells: list[int], runner) -> list:
+    from flows.cluster import run_matrix
+
+    return run_matrix(checked, [(i,) for i in cells], runner, names=[f"cell {i}" for i in cells])
+
+
+def test_every_failed_run_of_a_dask_matrix_is_reported():
+    """All the matrix's failures come back once every run has finished, not the first alone (the others were
+    only in the workers' logs): input errors as one line naming each run and its fix, a bug among them as an
+    ExceptionGroup keeping every traceback; a single failure as itself."""
+    from flows.cluster import task_runner
+    from flows.params import RunnerParams
+
+    runner = RunnerParams(kind="dask", workers=2)
+
+    def go(cells):
+        return failing_matrix.with_options(task_runner=task_runner(runner))(cells, runner)
+
+    assert go([0, 2]) == [0, 20]
+    with pytest.raises(TransMLAError) as e:
+        go([0, 1, 2, 3])
+    msg = str(e.value)
+    assert msg.startswith("2 of 4 runs failed: [cell 1] cell 1 got bad input. Fix: give cell 1 good input. | "
+                          "[cell 3] cell 3 got bad input. Fix: give cell 3 good input.") and "\n" not in msg, msg
+    with pytest.raises(ExceptionGroup) as g:
+        go([1, 4, 5])
+    assert "2 of 3 runs failed: cell 1, cell 4" in str(g.value)
+    assert [type(x) for x in g.value.exceptions] == [TransMLAError, ValueError]
+    with pytest.raises(ValueError, match="cell 4 has a bug"):
+        go([4, 5])
