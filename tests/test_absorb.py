@@ -277,6 +277,31 @@ def test_decode_kernels_match_stock(mla, decode_kernel):
     assert (got - ref).abs().max() < TOL
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "bmm", "triton"])  # not "cpu": the C++ kernel runs float32 only
+def test_float16_decode_scores_past_its_range(kernel, monkeypatch):
+    """float16 decode where one raw score q.k (about 1e5) is past float16's range (65504) and the scaled one
+    is not: every kernel gives the float64 attention (the bmm path rounded the raw scores to float16 before
+    scaling them: inf, then NaN)."""
+    from transmla.runtime import absorb
+    from transmla.runtime.absorb import latent_attention
+
+    monkeypatch.setattr(absorb, "DECODE_KERNEL", kernel)
+    g = torch.Generator().manual_seed(0)
+    B, h, T, r, R = 2, 4, 24, 48, 16
+    aligned = torch.randint(0, 2, (r + R,), generator=g) * 2.0 - 1  # a +-1 vector: q.k = 40 * 40 * 64 for token 3
+    latent = torch.randn(B, T, r + R, generator=g) * 4
+    latent[:, 3] = 40 * aligned
+    query = torch.randn(B, h, 1, r + R, generator=g) * 4
+    query[:, :, 0] = 40 * aligned
+    scaling = 2e-4
+    assert (query[0, 0, 0] @ latent[0, 3]).item() > 65504
+    scores = (query.double()[:, :, 0] @ latent.double().transpose(1, 2)) * scaling
+    ref = torch.softmax(scores, -1) @ latent.double()[..., :r]
+    got = latent_attention(query.half(), latent.half(), None, scaling, r)
+    assert got.isfinite().all()
+    assert (got.double()[:, :, 0] - ref).abs().max() < 1e-2
+
+
 def _check_left_padded(model, ids, pads: dict[int, int], new_tokens: int) -> None:
     """Left-pad row i of `ids` by pads[i]; greedy generation absorbed (LatentCache) gives the stock tokens and
     finite log-probs within TOL of the stock ones."""

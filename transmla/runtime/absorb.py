@@ -407,8 +407,10 @@ def latent_attention(query: torch.Tensor, latent: torch.Tensor, attention_mask, 
                              rank).view(B, h, 1, rank)
     if kernel == "bmm":
         # Decode as two batched matmuls over the latent: scores [B, h, T] = q [B, h, E] x latent^T, then
-        # p x latent[:, :, :r]; no kernel dispatch on a one-head SDPA
-        scores = torch.bmm(query.view(B, h, E), latent.transpose(1, 2)).float() * scaling
+        # p x latent[:, :, :r]; no kernel dispatch on a one-head SDPA. The scale goes in as the GEMM's alpha,
+        # applied before its output is rounded to the input dtype: a raw float16 score past 65504 is inf.
+        scores = torch.baddbmm(query.new_zeros(()), query.view(B, h, E), latent.transpose(1, 2), beta=0.0,
+                               alpha=scaling).float()
         if attention_mask is not None:
             m = attention_mask.view(B, 1, T) if attention_mask.shape[0] == B else attention_mask.view(1, 1, T)
             scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
