@@ -132,6 +132,24 @@ def test_convert_refuses_out_under_a_file(llama_dir, work, capsys, no_weights):
     assert (root / "afile").read_text() == "x"
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_convert_refuses_out_where_nothing_can_be_created(llama_dir, work, capsys, no_weights):
+    """/proc's folders say writable to root by their mode bits, yet take no new file: the check tries one
+    (a probe, removed at once) instead of reading the bits, and a run is refused before its work."""
+    root, common = work
+    _refused(["convert", "--model", str(llama_dir), "--out", "/proc/transmla-out", *common], capsys, root,
+             "/proc/transmla-out cannot be created", "is not writable", "--out")
+
+
+def test_the_output_check_leaves_no_probe_behind(tmp_path):
+    from transmla.io.paths import check_output
+
+    for kind in ("new_dir", "dir", "file", "new_file"):
+        check_output(tmp_path / "a" / kind, kind)
+        check_output(tmp_path / kind, kind)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_convert_refuses_out_that_is_a_file(llama_dir, work, capsys, no_weights):
     root, common = work
     (root / "afile").write_text("x")

@@ -76,10 +76,27 @@ def check_output(path: str | Path, kind: str = "new_dir", flag: str = "--out") -
     if not up.is_dir():
         raise TransMLAError(f"{flag} {out} cannot be created: {up} is a file.",
                             f"choose a {flag} whose parent folders are directories.")
-    if not os.access(up, os.W_OK | os.X_OK):
+    if not _can_create_in(up):
         raise TransMLAError(f"{flag} {out} cannot be created: {up} is not writable.",
                             f"choose a {flag} in a folder you can write to.")
     return out
+
+
+def _can_create_in(folder: Path) -> bool:
+    """A file can be created in `folder`: tried (a probe file, removed at once), not read off its mode bits,
+    which say yes to root everywhere, /proc and read-only mounts included."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return False
+    probe = _fresh_name(folder, ".transmla-probe-")
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError:
+        return False
+    try:
+        os.unlink(probe)
+    except OSError:
+        pass
+    return True
 
 
 def _fresh_name(parent: Path, prefix: str, suffix: str = "") -> Path:
