@@ -274,6 +274,26 @@ def test_sdist_only_package_is_refused_and_never_built(tmp_path, parts_index):
     assert not any((tmp_path / "models").glob("*"))
 
 
+def test_a_version_range_skips_versions_published_only_as_sdists(tmp_path, parts_index):
+    """The newest version of a range is the newest with a wheel: one published only as an sdist was picked,
+    then refused when fetched, so a range (and the nightly) never reached the newest version it can read.
+    A package with no wheel at all is one error saying so; no setup.py runs either way."""
+    from pypi_index import add_sdist, add_wheel
+
+    from transmla.io import pypi
+
+    marker = tmp_path / "setup-py-ran"
+    add_wheel(parts_index, "tinyparts", "2.0", _FILES)
+    add_sdist(parts_index, "tinyparts", "3.0", marker)
+    assert pypi.available_versions("tinyparts") == ["2.0", "1.0"]
+    assert pypi.newest_matching("tinyparts", ">=1") == "2.0"
+    assert pypi.newest_common([("tinyparts", None), ("tinyparts", ">=1")]) == "2.0"
+    add_sdist(parts_index, "sdist-model", "1.0", marker)
+    with pytest.raises(TransMLAError, match="sdist-model published as wheels.*read from wheels only"):
+        pypi.newest_matching("sdist-model", None)
+    assert not marker.exists(), "an sdist's setup.py ran"
+
+
 def _pip_list():
     import subprocess
     import sys

