@@ -294,6 +294,25 @@ def test_a_version_range_skips_versions_published_only_as_sdists(tmp_path, parts
     assert not marker.exists(), "an sdist's setup.py ran"
 
 
+def test_wheels_in_a_find_links_folder_count(tmp_path, parts_index, monkeypatch):
+    """pip logs a --find-links folder's files without the page they came from: its wheels count as the index's
+    do (they were dropped, and with no index at all every version was kept, sdists included)."""
+    import shutil
+
+    from pypi_index import add_sdist, add_wheel
+
+    from transmla.io import pypi
+
+    folder = tmp_path / "find-links"
+    folder.mkdir()
+    shutil.copy(add_wheel(tmp_path / "elsewhere", "tinyparts", "4.0", _FILES), folder)
+    shutil.copy(add_sdist(tmp_path / "elsewhere", "tinyparts", "5.0", tmp_path / "setup-py-ran"), folder)
+    monkeypatch.setenv("PIP_FIND_LINKS", str(folder))
+    assert pypi.available_versions("tinyparts") == ["4.0", "1.0"]
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    assert pypi.available_versions("tinyparts") == ["4.0"]
+
+
 def _pip_list():
     import subprocess
     import sys

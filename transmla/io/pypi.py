@@ -62,9 +62,11 @@ def _unreachable(name: str, proc: subprocess.CompletedProcess) -> TransMLAError 
                          "pip.conf); a model already materialised needs no index (a pinned source: pkg==VER).")
 
 
-# each file on the project page, as pip logs it at verbosity 2 (-vv); files it skips (another platform's wheel, a
-# yanked one) are logged as "Skipping link" instead
-_FOUND = re.compile(r"^\s*Found link (\S+) \(from .*?\), version: (\S+)\s*$", re.M)
+# each file pip found, as it logs it at verbosity 2 (-vv): on an index page "Found link URL (from PAGE), version: V"
+# (with " (requires-python:...)" where the page says), in a --find-links folder without the page; files it skips
+# (another platform's wheel, a yanked one) are logged as "Skipping link" instead
+_FOUND = re.compile(r"^\s*Found link (\S+?)(?: \(from [^)]*\))?(?: \(requires-python:[^)]*\))?, version: (\S+)\s*$",
+                    re.M)
 
 
 def available_versions(name: str) -> list[str]:
