@@ -461,6 +461,41 @@ def test_padded_sdpa_honours_padding_and_a_static_cache(tiny, which):
     assert torch.equal(got_static, want_static)
 
 
+def test_padded_sdpa_soft_capped_path_honours_padding_and_a_static_cache():
+    """Gemma 2's soft-capped scores take the eager kernel inside the evaluation attention. Where transformers
+    passes no mask (a prefill into an empty StaticCache) its causal mask was aligned bottom-right, so every
+    query also saw the cache's unwritten slots; a left-padded batch's fully padded queries got -inf rows, whose
+    NaN the next layer carried into the real tokens. Both now give the stock eager logits and tokens."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, StaticCache
+
+    from transmla.runtime.fast_attention import use_causal_padded_sdpa
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    m = Gemma2ForCausalLM(cfg).eval()
+    ids = torch.randint(1, 100, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+
+    @torch.no_grad()
+    def run():
+        prefill = m(ids[1:], past_key_values=StaticCache(config=m.config, max_cache_len=32), use_cache=True).logits
+        tokens = m.generate(ids[1:], cache_implementation="static", do_sample=False, max_new_tokens=6,
+                            min_new_tokens=6, pad_token_id=0)
+        return prefill, tokens, m(ids, attention_mask=mask).logits
+
+    want_prefill, want_tokens, want_padded = run()
+    use_causal_padded_sdpa(m)
+    got_prefill, got_tokens, got_padded = run()
+    assert (got_prefill - want_prefill).abs().max() < 1e-4
+    assert torch.equal(got_tokens, want_tokens)
+    assert got_padded.isfinite().all()
+    assert (got_padded - want_padded)[:, 4:].abs().max() < 1e-4 and (got_padded - want_padded)[1].abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("argv, want", [
     ([], {"calibration": "sequential", "refit": True, "attention_aware": True}),
     (["--paper"], {"calibration": "parallel", "refit": False, "attention_aware": False}),

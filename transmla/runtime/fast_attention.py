@@ -26,9 +26,11 @@ def causal_padded_sdpa(module, query, key, value, attention_mask, scaling=None, 
     if kwargs.get("softcap") is not None:  # Gemma 2: SDPA has no soft-capping; its own eager kernel has
         from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
-        additive = _window_mask(query, key, kwargs.get("sliding_window")) if attention_mask is None else \
-            torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(~attention_mask,
-                                                                                                float("-inf"))
+        # finfo.min, not -inf, as transformers' eager masks: a padding query that sees no key then gets a finite
+        # (uniform) softmax, not NaN, which the next layer would carry into its row's real tokens (0 x NaN)
+        additive = _causal_mask(query, key, kwargs.get("sliding_window")) if attention_mask is None else \
+            torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~attention_mask, torch.finfo(query.dtype).min)
         return eager_attention_forward(module, query, key, value, additive, dropout=0.0, scaling=scaling,
                                        softcap=kwargs["softcap"])[0], None
     if dv < query.shape[-1]:
@@ -50,12 +52,18 @@ def causal_padded_sdpa(module, query, key, value, attention_mask, scaling=None, 
     return out[..., :dv].transpose(1, 2).contiguous(), None
 
 
-def _window_mask(query, key, window: int | None) -> torch.Tensor:
-    """Additive causal mask [tq, tk] (bottom-right aligned), limited to the last `window` keys if given."""
+def _causal_mask(query, key, window: int | None) -> torch.Tensor:
+    """The additive mask [tq, tk] where transformers passed none, i.e. where causal order says it all (as SDPA's
+    is_causal above): one query sees every key; several are aligned top-left (as many queries as keys, or a
+    prefill into an empty static cache, whose unwritten slots stay out), limited to the last `window` keys."""
     tq, tk = query.shape[-2], key.shape[-2]
     ones = torch.ones(tq, tk, dtype=torch.bool, device=query.device)
-    visible = ones.tril(tk - tq) & (~ones.tril(tk - tq - window) if window is not None else ones)
-    return torch.zeros(tq, tk, dtype=query.dtype, device=query.device).masked_fill(~visible, float("-inf"))
+    if tq == 1:
+        visible = ones
+    else:
+        visible = ones.tril() & (~ones.tril(-window) if window is not None else ones)
+    return torch.zeros(tq, tk, dtype=query.dtype, device=query.device).masked_fill(~visible,
+                                                                                   torch.finfo(query.dtype).min)
 
 
 def register() -> str:
