@@ -351,14 +351,15 @@ def _own_group_for_temporary_server(interrupts: _Interrupts) -> None:
 
 
 def entry(flow, doc: str, variant: bool | str = False, model: bool = True, new_outputs: dict[str, str] | None = None,
-          tracked: bool = True, **options: str) -> None:
+          tracked: bool | str = True, **options: str) -> None:
     """The command line of one flow module: `python -m flows.<name>`.
 
     --params/-S always; --model (and --method/--budget for a converted `variant`); each option
     `name="help"` becomes --name (a flag if the help starts with "flag:"), passed to the flow as
     name=value when given. The flow is called as flow(profile, model, method, budget, **options).
     new_outputs: {option: "new_dir" | "new_file"}: output options refused when given and already holding something.
-    tracked: the flow logs to MLflow, whose store must answer.
+    tracked: the flow logs to MLflow, whose store must answer (an option's name: unless that option is given,
+    e.g. "out" for a one-off run that logs nothing).
     The profile, --model/--method/--budget, those outputs and the store are checked before the flow run starts.
     """
     ap = variant_parser(doc, original=variant == "or-original") if variant else parser(doc)
@@ -380,7 +381,7 @@ def entry(flow, doc: str, variant: bool | str = False, model: bool = True, new_o
         check_variant(profile, *pos)
         check_new_outputs(args, new_outputs or {})
         check_inputs(kwargs)
-        if tracked:
+        if tracked is True or (isinstance(tracked, str) and tracked not in kwargs):
             check_tracking()
         result = flow(profile, *pos, **kwargs)
         if isinstance(result, str):

@@ -86,7 +86,7 @@ def evaluate(profile: Profile, model: str, method: str, budget: float | None = N
 
 
 if __name__ == "__main__":
-    _cli.entry(evaluate, __doc__, variant="or-original", new_outputs={"out": "new_file"},
+    _cli.entry(evaluate, __doc__, variant="or-original", new_outputs={"out": "new_file"}, tracked="out",
                checkpoint="model dir (default artifacts/<model>/<method>-<budget>[-ft]/model; another needs --out)",
                finetuned="flag: evaluate the fine-tuned model",
                out="metrics JSON of a one-off run (default: the pipeline's row, reports/metrics/..., with its "

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 from prefect import flow
@@ -55,7 +57,11 @@ def throughput_flow(profile: Profile, model: str, method: str, budget: float, ch
     title = f"{model} {layout.variant(method, budget)} vs original"
     dest = Path(out or layout.throughput_dir(model, method, budget))
     write_report(result, title, dest)
-    tracking.track(profile.mlflow.experiment, model, method, budget, **tracked(result),
+    # a run of its own under the variant's, replaced by each new measurement (a cached one keeps it): curves are
+    # logged once per run, so a re-measured curve beside the conversion's params would keep the first one
+    measurement = hashlib.sha256(json.dumps(result, sort_keys=True, default=str).encode()).hexdigest()
+    tracking.track(profile.mlflow.experiment, model, method, budget, role="throughput",
+                   config={"measurement_sha256": measurement}, **tracked(result),
                    files=[dest / "throughput.md", dest / "fig6_speedup.png"])
     return result
 

@@ -32,6 +32,8 @@ def check_store(uri: str | None = None, timeout: float = 5.0) -> None:
     http(s): any HTTP answer from `<uri>/health` counts (a proxy may refuse it; MLflow then says why);
     no answer within `timeout` is refused. sqlite: the file, where there is one, is an SQLite database
     and its folder is not a file. Other stores (databases, Databricks) are left to MLflow."""
+    import http.client
+    import ssl
     import urllib.error
     import urllib.request
 
@@ -41,8 +43,11 @@ def check_store(uri: str | None = None, timeout: float = 5.0) -> None:
             urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout).close()
         except urllib.error.HTTPError:
             pass
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, http.client.HTTPException) as e:  # HTTPException: a bad port, not HTTP there
             reason = getattr(e, "reason", None) or e
+            if isinstance(reason, ssl.SSLError):
+                return  # it answered; whether its certificate is trusted is MLflow's call (MLFLOW_TRACKING_INSECURE_TLS, ...)
+            reason = " ".join(str(reason).split())[:200]  # a non-HTTP service's greeting spans lines
             raise TransMLAError(f"MLflow tracking server {uri} (MLFLOW_TRACKING_URI) does not answer ({reason}).",
                                 f"start it (e.g. mlflow server --host 127.0.0.1 --port PORT) or {_LOCAL_FIX}.") from None
     elif uri.startswith("sqlite:///"):
@@ -95,21 +100,27 @@ def pipeline_run(client, exp_id: str, model: str) -> str:
 
 
 def stage_run(experiment: str, model: str, method: str, budget: float | None, config: dict | None = None,
-              finetuned: bool = False):
+              finetuned: bool = False, role: str = "variant"):
     """(client, run_id) of the (model, method, budget[, fine-tuned]) run; created (nested) if missing.
 
     `config` (convert and finetune stages): if the run was made for another config, it is replaced.
+    `role` other than "variant" (e.g. "throughput"): a run of its own nested under the variant's run, for what
+    is measured again and must not share the variant's run (a metric's curve is logged once per run).
     """
     client, exp_id = _client(experiment)
-    parent = pipeline_run(client, exp_id, model)
+    if role == "variant":
+        parent = pipeline_run(client, exp_id, model)
+    else:
+        client, parent = stage_run(experiment, model, method, budget, None, finetuned)
     b = "none" if budget is None else repr(float(budget))
-    tags = {ROLE: "variant", MODEL: model, METHOD: method, BUDGET: b, FINETUNED: str(finetuned).lower()}
+    tags = {ROLE: role, MODEL: model, METHOD: method, BUDGET: b, FINETUNED: str(finetuned).lower()}
     cfg = None if config is None else json.dumps(config, sort_keys=True, default=str)
     for run in _find(client, exp_id, tags):
         if cfg is None or run.data.tags.get(CONFIG) == cfg[:5000]:
             return client, run.info.run_id
         client.delete_run(run.info.run_id)
     name = f"{model} {method}" + ("" if budget is None else f" kv-{(1 - float(budget)) * 100:g}%") + (" ft" if finetuned else "")
+    name += "" if role == "variant" else f" {role}"
     extra = {"mlflow.parentRunId": parent, "kv_reduction": "0" if budget is None else f"{1 - float(budget):g}"}
     if cfg is not None:
         extra[CONFIG] = cfg[:5000]
@@ -167,16 +178,26 @@ class _StoreErrors:
                             "are cached.") from exc
 
 
+def _check_files(files) -> None:
+    """The files to log are there (checked before _StoreErrors, which would report a missing one as the store's)."""
+    for f in files:
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"no file {f} to log")
+
+
 def track(experiment: str, model: str, method: str, budget: float | None, *, config: dict | None = None,
-          finetuned: bool = False, **logged) -> None:
-    """Log into the (model, method, budget[, fine-tuned]) run: the one call every flow makes."""
+          finetuned: bool = False, role: str = "variant", **logged) -> None:
+    """Log into the (model, method, budget[, fine-tuned]) run (or its `role` child run): the one call every
+    flow makes."""
+    _check_files(logged.get("files", ()))
     with _StoreErrors():
-        client, run_id = stage_run(experiment, model, method, budget, config, finetuned)
+        client, run_id = stage_run(experiment, model, method, budget, config, finetuned, role)
         log(client, run_id, **logged)
 
 
 def log_files(experiment: str, model: str, files: list) -> None:
     """Files (the table, figures) into the model's pipeline run."""
+    _check_files(files)
     with _StoreErrors():
         client, exp_id = _client(experiment)
         log(client, pipeline_run(client, exp_id, model), files=files)

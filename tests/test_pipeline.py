@@ -597,6 +597,16 @@ def test_throughput_stage(tmp_path, tiny_dir, monkeypatch):
     monkeypatch.setattr(flows.throughput, "processor_name", lambda device: "another machine, 64 cores")
     throughput_flow(prof, "tput", "transmla", 0.25)
     assert calls, "timings cached on another machine were reported as this one's"
+    # the new measurement's curves in MLflow, not the first one's kept (a curve is logged once per run): the
+    # measurement is a run of its own under the conversion's run, replaced; the conversion's run keeps its params
+    runs = mlflow.search_runs(experiment_names=["transmla"], filter_string="tags.`transmla.model` = 'tput'",
+                              output_format="list")
+    (measured,) = [r for r in runs if r.data.tags["transmla.role"] == "throughput"]
+    (variant,) = [r for r in runs if r.data.tags["transmla.role"] == "variant"]
+    assert measured.info.run_id != run.info.run_id and measured.data.tags["mlflow.parentRunId"] == variant.info.run_id
+    assert variant.data.params["kv_lora_rank"] and "throughput.vllm" not in variant.data.tags
+    hist = mlflow.tracking.MlflowClient().get_metric_history(measured.info.run_id, "throughput.speedup.converted_absorb")
+    assert sorted(m.step for m in hist) == [16, 32]
 
 
 def test_throughput_stage_vllm_sweep(tmp_path, tiny_dir, monkeypatch):

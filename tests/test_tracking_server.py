@@ -176,3 +176,95 @@ def test_mlflow_retries_a_lost_server_briefly():
     env["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "7"
     out = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["7", "30"], out.stderr
+
+
+def test_check_store_names_a_bad_port_or_another_service_and_lets_tls_through(tmp_path):
+    """A port that is not a number, or a service that is not HTTP (one that greets first, as SSH does), is one
+    error (they escaped as http.client's exceptions); an HTTPS server whose certificate this machine does not
+    trust answers, so it passes: MLflow decides with its own TLS settings (MLFLOW_TRACKING_INSECURE_TLS, ...)."""
+    import shutil
+    import socket
+    import ssl
+    import threading
+
+    from tasks import tracking
+    from transmla.errors import TransMLAError
+
+    with pytest.raises(TransMLAError, match="nonnumeric port"):
+        tracking.check_store("http://localhost:50OO")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(4)
+
+    def greet():
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+            conn.close()
+
+    threading.Thread(target=greet, daemon=True).start()
+    try:
+        with pytest.raises(TransMLAError, match="does not answer .*SSH-2.0") as e:
+            tracking.check_store(f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=5)
+        assert "\n" not in str(e.value)
+    finally:
+        sock.close()
+    if shutil.which("openssl") is None:
+        return
+    import http.server
+
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")], check=True,
+                   capture_output=True)
+
+    class Ok(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Ok)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        tracking.check_store(f"https://127.0.0.1:{srv.server_port}")
+    finally:
+        srv.shutdown()
+
+
+def test_a_file_missing_from_what_is_logged_is_not_the_stores_fault(tmp_path):
+    """A file to log that is not there is a bug of the flow, raised as itself before anything is logged, not
+    reported as the store's failure with a fix about reaching it."""
+    from tasks import tracking
+
+    with pytest.raises(FileNotFoundError, match="no file .*missing.png to log"):
+        tracking.track("missing", "tiny", "transmla", 0.125, files=[tmp_path / "missing.png"])
+    with pytest.raises(FileNotFoundError, match="missing.md"):
+        tracking.log_files("missing", "tiny", [tmp_path / "missing.md"])
+
+
+def test_a_one_off_evaluation_needs_no_tracking_store(tmp_path):
+    """`flows.evaluate --out FILE` logs nothing to MLflow: an absent tracking server does not stop it (the store
+    is checked only for the runs that log to it)."""
+    code = ("import sys; from flows import _cli; sys.argv = ['x', '--params', sys.argv[1], *sys.argv[2:]]; "
+            "_cli.entry(lambda profile, *pos, **kw: print('ran', sorted(kw)), 'doc', tracked='out', out='output')")
+    import yaml
+
+    params = tmp_path / "profile.yaml"
+    params.write_text(yaml.safe_dump({"models": {"tiny": {"source": str(tmp_path / "m")}},
+                                      "pipeline": {"models": ["tiny"], "budgets": [0.25], "methods": ["transmla"]}}))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": repo, "MLFLOW_TRACKING_URI": _closed_url()}
+    one_off = subprocess.run([sys.executable, "-c", code, str(params), "--model", "tiny", "--out", str(tmp_path / "o.json")],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert one_off.returncode == 0 and one_off.stdout.split() == ["ran", "['out']"], one_off.stderr[-2000:]
+    logged = subprocess.run([sys.executable, "-c", code, str(params), "--model", "tiny"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert logged.returncode == 2 and "does not answer" in logged.stderr, logged.stderr[-2000:]
