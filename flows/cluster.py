@@ -55,6 +55,8 @@ def run_matrix(fn: Task, calls: Sequence[tuple], runner: RunnerParams, names: Se
     itself, several input errors as one TransMLAError naming each call (`names`, default fn's name and
     the call's index) with its own fix, anything else as an ExceptionGroup (each its traceback).
     """
+    if names is not None and len(names) != len(calls):
+        raise ValueError(f"run_matrix: {len(names)} names for {len(calls)} calls")
     if runner.kind == "local":
         return [fn.fn(*call) for call in calls]
     futures = [fn.submit(*call) for call in calls]
@@ -62,7 +64,7 @@ def run_matrix(fn: Task, calls: Sequence[tuple], runner: RunnerParams, names: Se
         f.wait()
     names = list(names) if names is not None else [f"{fn.name} #{i}" for i in range(len(calls))]
     results, failed = [], []
-    for name, f in zip(names, futures):
+    for name, f in zip(names, futures, strict=True):  # a short `names` would drop calls: a bug, raised
         try:
             results.append(f.result())
         except Exception as e:  # noqa: BLE001  (collected: raised below, with the other calls' failures)

@@ -248,3 +248,12 @@ def test_every_failed_run_of_a_dask_matrix_is_reported():
     assert [type(x) for x in g.value.exceptions] == [TransMLAError, ValueError]
     with pytest.raises(ValueError, match="cell 4 has a bug"):
         go([4, 5])
+
+
+def test_run_matrix_refuses_names_that_do_not_match_the_calls():
+    """A `names` list shorter than the calls would have dropped the unnamed calls' results and failures."""
+    from flows.cluster import run_matrix
+    from flows.params import RunnerParams
+
+    with pytest.raises(ValueError, match="2 names for 3 calls"):
+        run_matrix(checked, [(0,), (1,), (2,)], RunnerParams(kind="dask"), names=["a", "b"])
