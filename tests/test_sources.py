@@ -99,6 +99,7 @@ def fake_convert(monkeypatch):
         calls.append(gguf)
         (out / "config.json").write_text("{}")
         (out / "model.safetensors").write_bytes(gguf.read_bytes())
+        (out / "tokenizer.json").write_text('{"vocab": ["a", "b"]}')
 
     monkeypatch.setattr(sources, "_save_gguf_as_hf", save)
     return calls
@@ -152,7 +153,8 @@ def test_warm_cache_still_checks_the_checksum(tmp_path, parts_index, fake_conver
     assert len(fake_convert) == 1, "a verified cache hit is not materialised again"
 
 
-@pytest.mark.parametrize("change", ["weights", "config", "transformers", "code", "old record"])
+@pytest.mark.parametrize("change", ["weights", "config", "tokenizer", "transformers", "code", "old record",
+                                    "no tokenizer record"])
 def test_cache_entry_made_by_other_code_or_changed_on_disk_is_made_again(tmp_path, parts_index, fake_convert,
                                                                            monkeypatch, change):
     """An entry is reused only while its files hash to what was recorded and the code that makes entries is
@@ -170,8 +172,10 @@ def test_cache_entry_made_by_other_code_or_changed_on_disk_is_made_again(tmp_pat
         (entry / "model.safetensors").write_bytes(bytes(data))
     elif change == "config":
         (entry / "config.json").write_text('{"edited": true}')
-    elif change == "old record":  # written before entries recorded what made them
-        del meta["materializer"]
+    elif change == "tokenizer":  # not in content_hash, yet it decides every token the model sees
+        (entry / "tokenizer.json").write_text('{"vocab": ["EDITED"]}')
+    elif change in ("old record", "no tokenizer record"):  # written before entries recorded what made them
+        del meta["materializer" if change == "old record" else "tokenizer_hash"]
         meta_file.write_text(json.dumps(meta))
     else:
         now = sources.materializer()
@@ -181,6 +185,7 @@ def test_cache_entry_made_by_other_code_or_changed_on_disk_is_made_again(tmp_pat
     assert len(fake_convert) == 2, f"an entry with changed {change} was reused"
     meta = json.loads(meta_file.read_text())
     assert meta["content_hash"] == sources.content_hash(entry) and meta["materializer"] == sources.materializer()
+    assert meta["tokenizer_hash"] == sources.tokenizer_hash(entry) and "EDITED" not in (entry / "tokenizer.json").read_text()
     assert Path(sources.materialize(_BODY, cache=tmp_path)) == entry and len(fake_convert) == 2, "then a cache hit"
 
 

@@ -474,6 +474,11 @@ def _rebuild_reason(src: ModelSource, entry: Path) -> str | None:
         intact = False
     if not intact:
         return "its files no longer match the hash recorded when it was made (changed or damaged on disk): again"
+    # the tokenizer files too (small: hashed at each check), which decide every token the model sees
+    if meta.get("tokenizer_hash") is None:
+        return "made before its tokenizer files were recorded: again"
+    if tokenizer_hash(entry) != meta["tokenizer_hash"]:
+        return "its tokenizer files no longer match the hash recorded when it was made (changed on disk): again"
     return None
 
 
@@ -561,6 +566,7 @@ def _materialize_gguf(src: ModelSource, final: Path, t0: float, cache) -> None:
             "identity": src.identity,
             "gguf_sha256": digest,
             "content_hash": content_hash(model_dir),
+            "tokenizer_hash": tokenizer_hash(model_dir),
             "materializer": materializer(),
             "seconds": round(time.perf_counter() - t0, 2),
         }
