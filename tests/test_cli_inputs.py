@@ -150,6 +150,51 @@ def test_the_output_check_leaves_no_probe_behind(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("edit, words", [
+    ({"num_hidden_layers": 4}, ["tensor(s) the config needs are not in the weights", "model.layers.2."]),
+    ({"num_hidden_layers": 1}, ["the weights hold layers the config does not have", "model.layers.1."]),
+    ({"tie_word_embeddings": False}, ["not in the weights (lm_head.weight)"]),
+    ({"head_dim": 32}, ["do not have the shapes its config.json gives", "k_proj.weight: (32, 64) in the weights, (64, 64) by the config"]),
+], ids=["more-layers", "fewer-layers", "untied-head", "head-dim"])
+def test_weights_that_do_not_match_the_config_are_refused(llama_dir, work, capsys, edit, words):
+    """transformers loads such a folder anyway: a tensor the weights lack initialised at random (more layers,
+    an untied lm_head), a layer the config lacks dropped; the conversion then ran on it and exited 0."""
+    import shutil
+
+    root, common = work
+    bad = root.parent / f"{root.name}-model"
+    shutil.copytree(llama_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, **edit}))
+    _refused_after_load(["convert", "--model", str(bad), "--out", str(root / "o"), "--cal-nsamples", "2",
+                         "--cal-seqlen", "16", *common], capsys, root, *words,
+                        "use the config.json that came with these weights")
+
+
+def _refused_after_load(argv, capsys, root: Path, *words) -> None:
+    """_refused for a command that gets as far as loading the weights: transformers' progress bar may precede
+    the one error line."""
+    before = _listing(root)
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    lines = [x for x in err.splitlines() if x.startswith("transmla: ")]
+    assert rc == 2 and len(lines) == 1 and " Fix: " in lines[0] and "Traceback" not in err, err
+    for w in words:
+        assert w in lines[0], lines[0]
+    assert out == "" and _listing(root) == before
+
+
+def test_a_truncated_weight_file_is_refused(llama_dir, work, capsys):
+    import shutil
+
+    root, common = work
+    bad = root.parent / f"{root.name}-model"
+    shutil.copytree(llama_dir, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    _refused_after_load(["ppl", "--model", str(bad), *common], capsys, root, "SafetensorError", "fetch the model again")
+
+
 def test_convert_refuses_out_that_is_a_file(llama_dir, work, capsys, no_weights):
     root, common = work
     (root / "afile").write_text("x")

@@ -879,11 +879,17 @@ def load_model(source: str | ModelSource, dtype: str = "float32", device: str = 
     # materialize checked the files; these catch what a listing cannot see (an unreadable tokenizer,
     # a weight file transformers refuses). Other exceptions are bugs and keep their traceback.
     tok = _load_tokenizer(src, loc, kwargs)
+    from safetensors import SafetensorError
+
     try:
         # use_safetensors: never fall back to a pickled checkpoint (unpickling can run code)
-        model = AutoModelForCausalLM.from_pretrained(loc, dtype=getattr(torch, dtype), use_safetensors=True, **kwargs)
-    except OSError as e:
+        # ignore_mismatched_sizes: the mismatches are reported in `info` (refused below), not raised without names
+        model, info = AutoModelForCausalLM.from_pretrained(loc, dtype=getattr(torch, dtype), use_safetensors=True,
+                                                           output_loading_info=True, ignore_mismatched_sizes=True,
+                                                           **kwargs)
+    except (OSError, SafetensorError) as e:  # SafetensorError: a truncated or corrupt weight file
         raise _load_error(src, loc, "weights", e) from e
+    _check_loading_info(src, info)
     # transformers builds the latent norms with a fixed 1e-6; an export built for another eps (a vLLM-padded
     # one: rms_norm_eps) is a different function until its latent-norm identities get their eps back
     from transmla.method.diagnostics import use_recorded_latent_norm_eps
@@ -891,6 +897,29 @@ def load_model(source: str | ModelSource, dtype: str = "float32", device: str = 
     use_recorded_latent_norm_eps(model)
     model.to(device).eval()
     return model, tok
+
+
+_MISMATCH_FIX = ("use the config.json that came with these weights (or the weights that go with this config), "
+                 "e.g. fetch the model again.")
+
+
+def _check_loading_info(src: ModelSource, info: dict) -> None:
+    """Refuse weights that do not cover the config: transformers initialises a missing tensor at random (a
+    config with more layers than the weights, an untied lm_head without its weight) and drops the tensors of
+    layers the config does not have, and the conversion would go on with either, exit 0."""
+    missing = sorted(info.get("missing_keys") or [])
+    dropped = sorted(k for k in info.get("unexpected_keys") or [] if ".layers." in k)
+    shapes = sorted(info.get("mismatched_keys") or [])  # (name, shape in the weights, shape the config gives)
+    if shapes:
+        listed = ", ".join(f"{k}: {tuple(a)} in the weights, {tuple(b)} by the config" for k, a, b in shapes[:2])
+        raise TransMLAError(f"The weights of {src.text} do not have the shapes its config.json gives ({listed}"
+                            f"{' ...' if len(shapes) > 2 else ''}).", _MISMATCH_FIX)
+    if missing or dropped:
+        what = (f"{len(missing)} tensor(s) the config needs are not in the weights ({', '.join(missing[:3])}"
+                f"{' ...' if len(missing) > 3 else ''})" if missing else
+                f"the weights hold layers the config does not have ({', '.join(dropped[:3])}"
+                f"{' ...' if len(dropped) > 3 else ''})")
+        raise TransMLAError(f"The weights of {src.text} do not match its config.json: {what}.", _MISMATCH_FIX)
 
 
 def _load_tokenizer(src: ModelSource, loc: str, kwargs: dict):
