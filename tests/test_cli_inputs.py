@@ -141,6 +141,16 @@ def test_convert_refuses_out_where_nothing_can_be_created(llama_dir, work, capsy
              "/proc/transmla-out cannot be created", "is not writable", "--out")
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["eval", "--tasks", "piqa", "--limit", "2", "--seed", "-1"], ["--seed -1 is out of range"]),
+    (["convert", "--out", "o", "--seed", str(2**64)], ["seed", "less than 4294967296"]),
+], ids=["eval", "convert"])
+def test_a_seed_numpy_cannot_take_is_refused_before_loading(llama_dir, work, capsys, no_weights, argv, words):
+    root, common = work
+    argv = [a if a != "o" else str(root / "o") for a in argv]
+    _refused([argv[0], "--model", str(llama_dir), *argv[1:], *common], capsys, root, *words)
+
+
 def test_the_output_check_leaves_no_probe_behind(tmp_path):
     from transmla.io.paths import check_output
 

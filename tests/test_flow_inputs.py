@@ -263,6 +263,10 @@ def test_nightly_params_are_validated_at_load(override, field):
     # trained or calibrated on the text its perplexity is measured on
     ({"finetune.corpora": ["c4-demo", "wikitext2-test"]}, ["finetune.corpora", "wikitext2-test is an evaluation split"]),
     ({"calibration.dataset": "wikitext2-train+wikitext2-test"}, ["calibration.dataset", "includes wikitext2-test, the set perplexity is measured on"]),
+    # numpy refused them inside the stage, after the model had loaded
+    ({"calibration.seed": -1}, ["calibration.seed", "greater than or equal to 0"]),
+    ({"finetune.seed": 2**32}, ["finetune.seed", "less than 4294967296"]),
+    ({"evaluation.seed": -5}, ["evaluation.seed", "greater than or equal to 0"]),
 ], ids=lambda x: next(iter(x)) if isinstance(x, dict) else None)
 def test_params_that_would_fail_inside_a_stage_are_refused_at_load(override, words):
     from flows.params import load_profile

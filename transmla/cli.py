@@ -158,6 +158,8 @@ def cmd_eval(args) -> dict:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     limit = args.limit  # None: every doc; 0 or less is refused by check_evaluation (it is not "all")
     batch_size = _batch_size(args.batch_size)
+    if not 0 <= args.seed < 2**32:  # numpy's range: refused before the model loads, not by numpy after
+        raise TransMLAError(f"--seed {args.seed} is out of range.", f"pass a seed in [0, {2**32 - 1}].")
     # evaluate() checks the same, but only once materialize() has run: a GGUF source would be dequantised
     # first. --limit goes before --superset, whose check reads it (a bad --limit would be blamed on it).
     check_evaluation(tasks, limit, args.num_fewshot, args.protocol, args.backend, args.tensor_parallel,

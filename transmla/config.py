@@ -75,7 +75,7 @@ class CalibrationOptions(Options):
     nsamples: int = Field(128, ge=1)
     seqlen: int = Field(256, ge=2)
     batch_size: int = Field(8, ge=1)
-    seed: int = 42
+    seed: int = Field(42, ge=0, lt=2**32)  # numpy's seed range (every seed here seeds numpy somewhere)
 
 
 class TransMLAOptions(Options):
@@ -137,7 +137,7 @@ class ConvertOptions(Options):
     cal_nsamples: int = Field(_CAL["nsamples"].default, ge=1)
     cal_seqlen: int = Field(_CAL["seqlen"].default, ge=2)
     cal_batch_size: int = Field(_CAL["batch_size"].default, ge=1)
-    seed: int = _CAL["seed"].default
+    seed: int = Field(_CAL["seed"].default, ge=0, lt=2**32)
     dtype: str = _EX["dtype"].default
     device: str = "cpu"
     latent_norm_eps: float | None = Field(_EX["latent_norm_eps"].default, gt=0)
@@ -256,7 +256,7 @@ class FinetuneConfig(Options):
     log_every: int = Field(5, ge=1)
     dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = mixed precision; float16 underflows the latent
     device: str = "cpu"
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)
     # lm: next-token cross-entropy; kd: KL from the original model's next-token distribution; kd+lm: both
     objective: Literal["lm", "kd", "kd+lm"] = "lm"
     kd_temperature: float = Field(1.0, gt=0)  # softens both distributions; the loss is scaled by tau^2
@@ -333,7 +333,7 @@ class EvaluationOptions(Options):
     # so its absolute level is measured on more documents; the rows' paired differences use the shared ones
     reference_limits: dict[str, int] = {}
     batch_size: int = Field(8, ge=1)
-    seed: int = 1234
+    seed: int = Field(1234, ge=0, lt=2**32)
     # hf: lm-eval's HF model in the pipeline's process; vllm: lm-eval's own vLLM backend in the vLLM env
     # (transmla.runtime.vllm_env), which is what evaluates 7B+ models on GPUs (transmla.evaluation.benchmarks)
     backend: Literal["hf", "vllm"] = "hf"
