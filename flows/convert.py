@@ -45,11 +45,11 @@ def converted(profile: Profile, model_ref: dict, o: ConvertOptions, out: str, st
               replace: bool = False) -> dict:
     """The cached steps of one conversion, exported to `out` (replace: a pipeline output the run owns) -> the
     checkpoint's ref."""
+    b = resolve_budget(spec_of(model_ref), o)  # an impossible budget fails here, not after calibration
     stats = None
     if o.normalized().calibration != "sequential":  # the original model's statistics (sequential makes its own)
         stats = file_ref(stats_file) if stats_file else stats_for(profile, model_ref)
     if o.streamed:  # layer l depends on the converted layers before it: one task, in layer order
-        b = resolve_budget(spec_of(model_ref), o)
         streamed = streamed_layers(model_ref, calibration_ref(o.cal_dataset), stats, list(b.plan), b.kv_lora_rank,
                                    o.model_dump())
         return export_checkpoint(model_ref, None, [], [], o.model_dump(), out, streamed, replace)

@@ -43,22 +43,44 @@ def _ppl(profile: Profile, model_ref, stats, o) -> float:
     return load_json(ref)["ppl"]
 
 
+def _fig4b_options(profile: Profile, spec, R: int):
+    """(curve label, ConvertOptions) of Fig. 4b's three conversions at RoPE dim R, full KV rank."""
+    f, full = profile.figures, 2 * spec.g * spec.d
+    return [(label, profile.convert_options(method, None, qk_rope_dim=R, kv_lora_rank=full - R, freqfold=fold))
+            for label, method, fold in (("MHA2MLA (2-norm)", "mha2mla", 1), ("RoRoPE", "transmla", 1),
+                                        (f"RoRoPE + FreqFold {f.freqfold}", "transmla", f.freqfold))]
+
+
+def check_figures(profile: Profile, spec) -> None:
+    """figures: against the model's shapes (config.json only), before any calibration: every conversion the
+    figures make is resolved, so an impossible one fails now, not after the sweeps before it."""
+    f = profile.figures
+    if f.layer >= spec.n_layers:
+        raise TransMLAError(f"figures.layer={f.layer} but the model has {spec.n_layers} layers.", "lower figures.layer.")
+    for field, R in [*(("rope_dims", R) for R in f.rope_dims), ("fig4a_rope_dim", f.fig4a_rope_dim)]:
+        if spec.d % R or R > spec.d:
+            raise TransMLAError(f"figures.{field}: RoPE dim {R} does not divide the model's head dim {spec.d}.",
+                                f"set figures.{field} to {'even divisors' if field == 'rope_dims' else 'an even divisor'} "
+                                f"of {spec.d}.")
+    for R in f.rope_dims:
+        for _, o in _fig4b_options(profile, spec, R):
+            resolve_budget(spec, o)
+    try:
+        resolve_budget(spec, profile.convert_options("transmla", f.fig5_budget, balance_kv=True))
+    except TransMLAError as e:
+        raise TransMLAError(f"figures.fig5_budget={f.fig5_budget:g}: {e.problem}", "raise figures.fig5_budget.") from None
+
+
 @flow(name="figures")
 def figures(profile: Profile, model: str, stats_file: str | None = None, out_dir: str | None = None) -> dict:
     f = profile.figures
     model_ref = resolve_model(profile.model(model).source)
-    stats = file_ref(stats_file) if stats_file else stats_for(profile, model_ref)
     spec = spec_of(model_ref)
-    if f.layer >= spec.n_layers:
-        raise TransMLAError(f"figures.layer={f.layer} but the model has {spec.n_layers} layers.", "lower figures.layer.")
-    for R in (*f.rope_dims, f.fig4a_rope_dim):
-        if R % 2 or spec.d % R or R > spec.d:
-            raise TransMLAError(f"RoPE dim {R} does not divide head dim {spec.d} (or is odd).",
-                                "use figures.rope_dims / fig4a_rope_dim that divide the head dim.")
+    check_figures(profile, spec)
+    stats = file_ref(stats_file) if stats_file else stats_for(profile, model_ref)
     out = layout.figures_dir(model) if out_dir is None else Path(out_dir)
     L, w = f.layer, attention_weights(load(model_ref["path"])[0], f.layer)
     m = stats_of(stats).moments(L)
-    full = 2 * spec.g * spec.d
 
     # Fig. 4a: where the key energy sits before / after RoRoPE (+ FreqFold), one layer.
     plan = standard_plan(spec.d, f.fig4a_rope_dim)
@@ -76,9 +98,7 @@ def figures(profile: Profile, model: str, stats_file: str | None = None, out_dir
                                     profile.device))["ppl"]
     curves = {"MHA2MLA (2-norm)": [], "RoRoPE": [], f"RoRoPE + FreqFold {f.freqfold}": []}
     for R in f.rope_dims:
-        for label, method, fold in (("MHA2MLA (2-norm)", "mha2mla", 1), ("RoRoPE", "transmla", 1),
-                                    (f"RoRoPE + FreqFold {f.freqfold}", "transmla", f.freqfold)):
-            o = profile.convert_options(method, None, qk_rope_dim=R, kv_lora_rank=full - R, freqfold=fold)
+        for label, o in _fig4b_options(profile, spec, R):
             curves[label].append([1 - R / spec.d, _ppl(profile, model_ref, stats, o)])
     fig4b = {"original": original, "curves": curves, "tokens": f.ppl_max_tokens}
 

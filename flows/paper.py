@@ -21,11 +21,15 @@ import shutil
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from tasks.model import resolve_model, spec_of
+from transmla.errors import TransMLAError
+from transmla.pipeline.budget import resolve_budget
+
 from . import _cli, cluster, layout
 from .calibrate import calibrate
 from .convert import convert
 from .evaluate import evaluate
-from .figures import figures
+from .figures import check_figures, figures
 from .finetune import finetune
 from .params import Profile
 from .report import report
@@ -46,6 +50,25 @@ def variant_rows(profile: Profile, model: str, method: str, budget: float, stats
         finetune(profile, model, method, budget)
         rows["finetuned"] = evaluate(profile, model, method, budget, finetuned=True)
     return rows
+
+
+def check_plan(profile: Profile, no_figures: bool = False) -> None:
+    """Every model's conversions (and figures) against its shapes, before the first calibration: otherwise an
+    impossible budget, or a second model that cannot be read, fails after the work on the models before it.
+    Reads each model's config.json (a source not yet local is fetched, as its calibration would first)."""
+    p = profile.pipeline
+    for model in p.models:
+        spec = spec_of(resolve_model.fn(profile.model(model).source))
+        try:
+            for budget in p.budgets:
+                for method in p.methods:
+                    where = f", {method} at budget {budget:g}"
+                    resolve_budget(spec, profile.convert_options(method, budget))
+            where = ""  # the figures' errors name their params
+            if not no_figures:
+                check_figures(profile, spec)
+        except TransMLAError as e:
+            raise TransMLAError(f"{model}{where}: {e.problem}", e.fix) from None
 
 
 def pipeline(profile: Profile, no_figures: bool = False, no_throughput: bool = False) -> str:
@@ -76,6 +99,7 @@ paper_flow = flow(pipeline, name="paper")
 
 def paper(profile: Profile, no_figures: bool = False, no_throughput: bool = False) -> str:
     """The paper flow on the profile's `runner:` (in-process, or a Dask cluster)."""
+    check_plan(profile, no_figures)
     return paper_flow.with_options(task_runner=cluster.task_runner(profile.runner))(profile, no_figures, no_throughput)
 
 

@@ -73,10 +73,19 @@ class FiguresParams(Strict):
 
     layer: int = Field(0, ge=0)
     ppl_max_tokens: int = Field(8192, ge=2)
-    rope_dims: tuple[int, ...] = (32, 16, 8, 4)  # Fig. 4b x-axis: removal ratio 1 - R/d
+    rope_dims: tuple[int, ...] = Field((32, 16, 8, 4), min_length=1)  # Fig. 4b x-axis: removal ratio 1 - R/d
     freqfold: int = TransMLAOptions.model_fields["freqfold"].default  # the "RoRoPE + FreqFold" curve
     fig4a_rope_dim: int = 32
     fig5_budget: float = Field(0.3125, gt=0, le=1)  # KV cache ratio kept for the PCA comparison
+
+    @field_validator("rope_dims", "fig4a_rope_dim")
+    @classmethod
+    def _rope_dims(cls, v):
+        # whether each divides the head dim is the model's question (flows.figures.check_figures)
+        for R in v if isinstance(v, tuple) else (v,):
+            if R < 2 or R % 2:
+                raise ValueError(f"RoPE dim {R}: RoPE keeps (real, imaginary) pairs of dims, so use an even number >= 2")
+        return v
 
     @field_validator("freqfold")
     @classmethod

@@ -267,6 +267,11 @@ def test_nightly_params_are_validated_at_load(override, field):
     ({"calibration.seed": -1}, ["calibration.seed", "greater than or equal to 0"]),
     ({"finetune.seed": 2**32}, ["finetune.seed", "less than 4294967296"]),
     ({"evaluation.seed": -5}, ["evaluation.seed", "greater than or equal to 0"]),
+    # Fig. 4b divided the head dim by 0 after calibration and every conversion
+    ({"figures.rope_dims": [8, 0]}, ["figures.rope_dims", "RoPE dim 0", "even number >= 2"]),
+    ({"figures.rope_dims": [3]}, ["figures.rope_dims", "RoPE dim 3"]),
+    ({"figures.rope_dims": []}, ["figures.rope_dims", "at least 1 item"]),
+    ({"figures.fig4a_rope_dim": -2}, ["figures.fig4a_rope_dim", "RoPE dim -2"]),
 ], ids=lambda x: next(iter(x)) if isinstance(x, dict) else None)
 def test_params_that_would_fail_inside_a_stage_are_refused_at_load(override, words):
     from flows.params import load_profile
@@ -442,3 +447,69 @@ def test_the_original_with_a_budget_is_refused_before_the_run(tmp_path):
     """--method original --budget 0.25 ran a whole evaluation of the original, the budget silently ignored."""
     r = _flow_cli(tmp_path, "evaluate", "--model", "tiny", "--method", "original", "--budget", "0.25")
     _one_error_line(r, "--method original", "--budget 0.25", "drop --budget")
+
+
+# ------------------------------------------------------------------ 6. each model's plan before the first calibration
+
+def _plan_profile(tmp_path: Path, model_dir: Path, **sections) -> Path:
+    raw = {"models": {"first": {"source": str(model_dir)}, "second": {"source": str(model_dir)}},
+           "pipeline": {"models": ["first", "second"], "budgets": [0.25], "methods": ["transmla"]},
+           "figures": {"rope_dims": [8, 4], "fig4a_rope_dim": 8, "fig5_budget": 0.25}}
+    for k, v in sections.items():
+        raw[k] = {**raw.get(k, {}), **v}
+    p = tmp_path / "plan.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+@pytest.mark.parametrize("sections, words", [
+    # a budget too small for the model (head dim 16, 2 KV heads: 64 values per token, 0.01 keeps 1)
+    ({"pipeline": {"budgets": [0.25, 0.01]}}, ["first, transmla at budget 0.01", "too few for any RoPE dim"]),
+    # the second model cannot be read: refused before the first model's calibration
+    ({"models": {"second": {"source": "/no/such/model"}}}, ["/no/such/model"]),
+    # Fig. 4 params the model's head dim (16) cannot take; they failed after every conversion
+    ({"figures": {"rope_dims": [8, 32]}}, ["first: figures.rope_dims", "RoPE dim 32", "head dim 16"]),
+    ({"figures": {"fig4a_rope_dim": 6}}, ["first: figures.fig4a_rope_dim", "RoPE dim 6"]),
+    ({"figures": {"fig5_budget": 0.001}}, ["first: figures.fig5_budget=0.001", "raise figures.fig5_budget"]),
+], ids=["budget", "second-model", "rope-dims", "fig4a", "fig5-budget"])
+def test_paper_flow_checks_every_model_before_any_work(tmp_path, tiny_model_dir, sections, words):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_API_URL": "http://127.0.0.1:9/api",
+           "PREFECT_CLIENT_MAX_RETRIES": "0"}
+    r = subprocess.run([sys.executable, "-m", "flows.paper", "--params", str(_plan_profile(tmp_path, tiny_model_dir,
+                                                                                       **sections))],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    _one_error_line(r, *words)
+    assert not (tmp_path / "artifacts").exists() and not (tmp_path / "reports").exists()
+
+
+def test_paper_flow_plan_skips_the_figures_it_will_not_make(tmp_path, tiny_model_dir):
+    from flows.paper import check_plan
+    from flows.params import load_profile
+
+    profile = load_profile(_plan_profile(tmp_path, tiny_model_dir, figures={"rope_dims": [32]}))
+    with pytest.raises(TransMLAError, match="figures.rope_dims"):
+        check_plan(profile)
+    check_plan(profile, no_figures=True)
+    check_plan(load_profile(_plan_profile(tmp_path, tiny_model_dir)))  # the good plan passes
+
+
+def test_convert_and_figures_resolve_their_budget_before_calibrating(tmp_path, tiny_model_dir, monkeypatch):
+    """An impossible conversion fails on config.json, before the calibration statistics (minutes to hours)."""
+    import flows.convert as fc
+    import flows.figures as ff
+    from flows.params import load_profile
+    from tasks.artifacts import model_ref
+
+    def no_calibration(*a, **k):
+        raise AssertionError("calibrated before the budget was checked")
+
+    monkeypatch.setattr(fc, "stats_for", no_calibration)
+    monkeypatch.setattr(ff, "stats_for", no_calibration)
+    ref = model_ref(tiny_model_dir, "hash", source=str(tiny_model_dir))
+    profile = load_profile(_plan_profile(tmp_path, tiny_model_dir, figures={"fig5_budget": 0.001}))
+    with pytest.raises(TransMLAError, match="too few for any RoPE dim"):
+        fc.converted(profile, ref, profile.convert_options("transmla", 0.01), str(tmp_path / "out"))
+    monkeypatch.setattr(ff, "resolve_model", lambda source: ref)
+    with pytest.raises(TransMLAError, match="figures.fig5_budget"):
+        ff.figures.fn(profile, "first")
+    assert not (tmp_path / "out").exists()
