@@ -149,6 +149,46 @@ def test_gguf_header_read_across_split_parts(tmp_path):
         read_metadata(cut[:2])
 
 
+def test_a_truncated_gguf_is_refused_from_its_header(tmp_path, monkeypatch):
+    """A cut download passed the header read, so a dry run planned it as fine; its tensor table says how long the
+    data must be. One byte short of the last tensor is refused (split parts too), by the dry run as well."""
+    import gguf
+
+    _no_weights(monkeypatch)
+    path = tmp_path / "g.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_head_count(4)
+    w.add_head_count_kv(1)
+    w.add_embedding_length(64)
+    w.add_key_length(16)
+    w.add_tensor("token_embd.weight", np.ones((8, 64), dtype=np.float32))
+    w.add_tensor("output_norm.weight", np.ones(64, dtype=np.float16))  # the last tensor, 128 bytes
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = path.read_bytes()
+    end = len(data.rstrip(b"\x00"))  # the last tensor's last byte (it is non-zero); alignment padding follows
+    assert read_metadata(path)["__tensor_names__"] == ["token_embd.weight", "output_norm.weight"]
+    path.write_bytes(data[:end])  # padding after the data may go
+    read_metadata(path)
+    path.write_bytes(data[:end - 1])
+    with pytest.raises(TransMLAError, match="g.gguf is truncated: .*up to the end of output_norm.weight") as e:
+        read_metadata(path)
+    assert "download the GGUF file again" in str(e.value)
+    parts = [tmp_path / "p0", tmp_path / "p1"]
+    parts[0].write_bytes(data[:100])
+    parts[1].write_bytes(data[100:end - 1])
+    with pytest.raises(TransMLAError, match="truncated"):
+        read_metadata(parts)
+    r = subprocess.run([sys.executable, "-m", "transmla.cli", "convert", "--model", f"gguf:{path}", "--out",
+                        str(tmp_path / "out"), "--dry-run", "--cache-dir", str(tmp_path / "cache")],
+                       capture_output=True, text=True)
+    told = [line for line in r.stderr.splitlines() if line.startswith("transmla:")]
+    assert r.returncode == 2 and len(told) == 1 and "is truncated" in told[0], r.stderr + r.stdout
+
+
 def test_unsupported_catalog_model_is_refused_without_download(tmp_path, monkeypatch):
     """A catalog entry records its model type: an unsupported one is refused before any wheel is fetched."""
     from dataclasses import replace

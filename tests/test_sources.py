@@ -522,6 +522,12 @@ def _break(d: Path, how: str) -> None:
     elif how == "no KV heads":  # loaded, then a ZeroDivisionError inside the model's construction
         cfg = json.loads((d / "config.json").read_text())
         (d / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 0}))
+    elif how == "config with rope_theta 0":  # NaN cos/sin: an SVD failure after the whole calibration
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": 0}}))
+    elif how == "config with a negative eps":
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": -1e-6}))
     elif how == "missing shard":
         (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
         index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
@@ -537,6 +543,8 @@ _BROKEN = [  # (how, the problem, a phrase of the fix)
     ("config transformers refuses", "config.json does not load in transformers .*KeyError.*factor", "correct the field"),
     ("odd head_dim", "config.json does not load in transformers .*RoPE requires an even rotary dimension", "correct"),
     ("no KV heads", "num_key_value_heads is 0, not a positive whole number", "correct it in config.json"),
+    ("config with rope_theta 0", "rope_theta is 0: RoPE's base must be a positive number", "correct it in config.json"),
+    ("config with a negative eps", "rms_norm_eps is -1e-06, not a number >= 0", "correct it in config.json"),
     ("missing shard", "missing weight shards .* model-00002-of-00002.safetensors", "copy or download the missing"),
 ]
 
@@ -553,7 +561,7 @@ def test_incomplete_dir_is_one_clear_error(tiny_model_dir, tmp_path, how, proble
         with pytest.raises(TransMLAError, match=problem) as e:
             call(str(d))
         assert fix in str(e.value).split("Fix:")[1] and "\n" not in str(e.value)
-        assert str(d) in str(e.value) or how == "no KV heads"  # a field's refusal names the field
+        assert str(d) in str(e.value) or how == "no KV heads" or "config with" in how  # a field's refusal names the field
 
 
 def test_fetch_model_never_copies_pickles(tiny_model_dir, tmp_path, no_unpickling):

@@ -99,12 +99,34 @@ def check_counts(cfg) -> None:
                                 "correct it in config.json (from the model's original release).")
 
 
+def check_values(cfg) -> None:
+    """Refuse a RoPE base or norm eps no model can have: they give NaN cos/sin (theta <= 0) or NaN norms
+    (eps < 0), which surfaced as an SVD failure after the whole calibration."""
+    import math
+
+    per_type = _get(cfg, "rope_parameters", None)
+    nested = isinstance(per_type, dict) and all(isinstance(v, dict) for v in per_type.values()) and per_type
+    for where, rp in (per_type.items() if nested else [("", rope_parameters(cfg))]):  # Gemma 3: one per layer type
+        theta = rp.get("rope_theta")
+        if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float))
+                                  or not math.isfinite(theta) or theta <= 0):
+            raise TransMLAError(f"The model config's rope_theta{f' ({where})' if where else ''} is {theta!r}: "
+                                "RoPE's base must be a positive number.",
+                                "correct it in config.json (from the model's original release).")
+    for key in ("rms_norm_eps",):
+        v = _get(cfg, key, None)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+            raise TransMLAError(f"The model config's {key} is {v!r}, not a number >= 0.",
+                                "correct it in config.json (from the model's original release).")
+
+
 def check_config(cfg) -> None:
     """Refuse, with the obstacle named, any config the converter cannot handle. Reads only config
     fields (a transformers config or a plain dict, e.g. from a GGUF header): no weights needed."""
     mt = _get(cfg, "model_type")
     check_architecture(mt)
     check_counts(cfg)
+    check_values(cfg)
     if mt == "gemma2":  # transmla.models.Gemma2MLAForCausalLM keeps Gemma 2's layers, soft-capping included
         return
     if mt in ("qwen3", "gemma3_text") and _get(cfg, "attention_bias", False):

@@ -231,7 +231,7 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
     from transmla.errors import TransMLAError
     from transmla.io.export import write_checkpoint_parts
     from transmla.io.lazy import LazyCheckpoint, load_module, release_module, skeleton
-    from transmla.io.sources import ModelSource, materialize, parse_source
+    from transmla.io.sources import ModelSource, check_tokenizer_fits, materialize, parse_source
     from transmla.pipeline.assemble import attention_state_dict, export_config
 
     loc = Path(materialize(source, cache))
@@ -244,8 +244,8 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
     config = AutoConfig.from_pretrained(loc)
     tok = AutoTokenizer.from_pretrained(loc)
     spec = read_spec(config)
-    budget = check_request(spec, o)
     ckpt = LazyCheckpoint(loc)
+    budget = check_request(spec, o)
     dtype = getattr(torch, o.dtype)
     model = skeleton(config)
     decoder = model.model.layers
@@ -257,6 +257,8 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
             f"load=layers reads each layer's tensors under the model's own names; {ckpt.dir} stores "
             f"{', '.join(missing[:3])} under other names (transformers converts them when it loads the whole model).",
             "use --load model (load: model) for this checkpoint.")
+    check_streamed_weights(model, ckpt, config, source)
+    check_tokenizer_fits(str(source), tok, model.model.embed_tokens.num_embeddings)
     ids = calibration_windows(tok, o, data_dir)
     trim_heap()
     data_peak = _data_peak()
@@ -324,6 +326,28 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
     metadata = conversion_metadata(info, spec, budget, o, diags, ids.numel())
     return {**metadata, "calibration_seconds": None, "compute_seconds": round(compute_seconds, 2),
             "compute_cpu_seconds": round(compute_cpu, 2), "seconds": round(time.perf_counter() - t0, 2), **_peaks(data_peak)}
+
+
+def check_streamed_weights(model, ckpt, config, source) -> None:
+    """The layer-streamed path's version of load_model's check (io.sources._check_loading_info): every tensor the
+    config's skeleton has, in the safetensors headers with its shape, and no layer past the config's depth. The
+    stream reads tensors by name, so a config with more layers than the weights, or fewer, was converted as far as
+    it went or silently cut short."""
+    from transmla.io.sources import _check_loading_info, parse_source
+
+    n = config.num_hidden_layers
+    missing, shapes = [], []
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    for key, p in model.named_parameters():
+        if key == "lm_head.weight" and tied:
+            continue
+        if key not in ckpt:
+            missing.append(key)
+        elif tuple(ckpt.entries[key][3]) != tuple(p.shape):
+            shapes.append((key, tuple(ckpt.entries[key][3]), tuple(p.shape)))
+    extra = [k for k in ckpt.names("model.layers.") if int(k.split(".")[2]) >= n]
+    src = source if not isinstance(source, str) else parse_source(source)
+    _check_loading_info(src, {"missing_keys": missing, "unexpected_keys": extra, "mismatched_keys": shapes})
 
 
 def plan_conversion(source: str, o: ConvertOptions, cache=None, rates: dict | None = None):

@@ -28,7 +28,7 @@ class _Chain:
 
     def __init__(self, paths: list[str | os.PathLike]):
         self.paths, self.i, self.f = list(paths), 0, None
-        self.left = sum(os.path.getsize(p) for p in self.paths)
+        self.total = self.left = sum(os.path.getsize(p) for p in self.paths)
 
     def read(self, n: int) -> bytes:
         if n > self.left:  # a corrupt length (2^62) would otherwise be allocated first: MemoryError, not EOF
@@ -107,20 +107,48 @@ def read_metadata(paths: str | os.PathLike | list) -> dict:
         for _ in range(n_kv):
             key = _string(s)
             meta[key] = _value(s, _unpack(s, "I"))
-        names, shapes = [], []
+        names, shapes, extents = [], [], []
         for _ in range(n_tensors):  # tensor infos: name, n_dims, dims, type, offset (the data comes later)
             names.append(_string(s))
             n_dims = _unpack(s, "I")
             shapes.append(struct.unpack(f"<{n_dims}Q", s.read(8 * n_dims)))
-            s.read(4 + 8)
+            extents.append((_unpack(s, "I"), _unpack(s, "Q")))  # (ggml type, offset into the data section)
         meta["__tensor_names__"] = names
         meta["__tensor_shapes__"] = shapes
+        _check_data_extent(paths, meta, s.total - s.left, extents)
         return meta
     except (EOFError, struct.error, ValueError) as e:
         raise TransMLAError(f"Could not read the GGUF header of {paths[0]} ({e or 'truncated'}).",
                             "check that the file is a complete GGUF file.") from e
     finally:
         s.close()
+
+
+def _check_data_extent(paths: list, meta: dict, header_end: int, extents: list[tuple[int, int]]) -> None:
+    """Refuse a file (or set of parts) that ends before its last tensor's data: a cut download passed the
+    header, so a dry run called it fine and the load failed deep inside transformers' GGUF reader."""
+    import math
+
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    align = meta.get("general.alignment", 32)
+    if not isinstance(align, int) or align < 1:
+        return
+    start = -(-header_end // align) * align  # the data section begins at the next multiple of the alignment
+    need, last = 0, None
+    for name, shape, (kind, offset) in zip(meta["__tensor_names__"], meta["__tensor_shapes__"], extents):
+        try:
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        except (ValueError, KeyError):  # a type this gguf release does not know: its size is unknown
+            return
+        end = start + offset + math.prod(shape) // block * size
+        if end > need:
+            need, last = end, name
+    total = sum(os.path.getsize(p) for p in paths)
+    if need > total:
+        raise TransMLAError(f"{paths[0]} is truncated: its tensors need {need:,} bytes (up to the end of {last}), "
+                            f"the file{'s hold' if len(paths) > 1 else ' holds'} {total:,}.",
+                            "download the GGUF file again (a complete copy).")
 
 
 def parameter_count(meta: dict) -> int:

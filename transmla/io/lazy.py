@@ -50,9 +50,7 @@ class LazyCheckpoint:
         self.entries: dict[str, tuple[Path, int, str, list[int]]] = {}  # name -> (file, data offset, dtype, shape)
         for f in files:
             path = self.dir / f
-            with open(path, "rb") as fh:
-                n = struct.unpack("<Q", fh.read(8))[0]
-                header = json.loads(fh.read(n))
+            n, header = _header(path)
             for name, e in header.items():
                 if name != "__metadata__":
                     self.entries[name] = (path, 8 + n + e["data_offsets"][0], e["dtype"], e["shape"])
@@ -91,6 +89,8 @@ class LazyCheckpoint:
         stored = _ST_DTYPES[code]
         row_bytes = shape[1] * stored.itemsize
         idx = index.tolist()
+        if idx and not 0 <= idx[0] <= idx[-1] < shape[0]:  # a seek past the table reads other tensors' bytes
+            raise IndexError(f"rows {idx[0]}..{idx[-1]} of {name}, which has {shape[0]} rows")
         out = torch.empty(len(idx), shape[1], dtype=dtype)
         with open(path, "rb") as fh:
             i = 0
@@ -108,6 +108,35 @@ class LazyCheckpoint:
     def lazy(self, name: str, dtype: torch.dtype | None = None, block_rows: int = 8192) -> "LazyTensor":
         """The tensor as something `io.export.write_safetensors` writes from the source file directly."""
         return LazyTensor(self, name, dtype or _ST_DTYPES[self.entries[name][2]], block_rows)
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    """(header length, header) of a safetensors file; one error for a file that is not one (empty, cut short, or
+    overwritten), whose bytes would otherwise be read as weights or fail as a struct/JSON traceback."""
+    def damaged(why: str) -> TransMLAError:
+        return TransMLAError(f"{path} is not a readable safetensors file ({why}).",
+                             "the checkpoint file is damaged or incomplete: fetch the model again.")
+
+    if not path.is_file():
+        raise damaged("it is missing")
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) < 8:
+            raise damaged(f"{size} bytes, shorter than a header")
+        n = struct.unpack("<Q", raw)[0]
+        if n > size - 8:
+            raise damaged(f"its header claims {n} bytes, past the end of the file")
+        try:
+            header = json.loads(fh.read(n))
+        except (ValueError, UnicodeDecodeError):
+            raise damaged("its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise damaged("its header is not a table of tensors")
+    for name, e in header.items():
+        if name != "__metadata__" and 8 + n + e["data_offsets"][1] > size:
+            raise damaged(f"it ends inside {name}")
+    return n, header
 
 
 def _read_exact(fh, buf: torch.Tensor, path, name: str) -> None:

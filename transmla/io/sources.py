@@ -731,9 +731,11 @@ def check_model_dir(path: Path) -> None:
     """Refuse a local directory that cannot load as a model: a corrupt config.json (or one transformers
     refuses), no safetensors weights (pickles alone included), a sharded checkpoint missing shards, no tokenizer
     files, or tokenizer files that cannot be read (empty, or JSON ones that do not parse)."""
-    from transmla.adapters import check_counts
+    from transmla.adapters import check_counts, check_values
 
-    check_counts(_read_config(path / "config.json"))
+    cfg = _read_config(path / "config.json")
+    check_counts(cfg)
+    check_values(cfg)
     check_config_loads(path)
     names = {p.name for p in path.iterdir()}
     if not names & set(SAFETENSORS_WEIGHTS):
@@ -890,6 +892,7 @@ def load_model(source: str | ModelSource, dtype: str = "float32", device: str = 
     except (OSError, SafetensorError) as e:  # SafetensorError: a truncated or corrupt weight file
         raise _load_error(src, loc, "weights", e) from e
     _check_loading_info(src, info)
+    check_tokenizer_fits(src, tok, model.get_input_embeddings().num_embeddings)
     # transformers builds the latent norms with a fixed 1e-6; an export built for another eps (a vLLM-padded
     # one: rms_norm_eps) is a different function until its latent-norm identities get their eps back
     from transmla.method.diagnostics import use_recorded_latent_norm_eps
@@ -920,6 +923,20 @@ def _check_loading_info(src: ModelSource, info: dict) -> None:
                 f"the weights hold layers the config does not have ({', '.join(dropped[:3])}"
                 f"{' ...' if len(dropped) > 3 else ''})")
         raise TransMLAError(f"The weights of {src.text} do not match its config.json: {what}.", _MISMATCH_FIX)
+
+
+def check_tokenizer_fits(src: ModelSource | str, tok, rows: int) -> None:
+    """Refuse a tokenizer whose vocabulary reaches past the embedding table: its tokens were an IndexError in the
+    first forward pass, and the layer-streamed conversion read the bytes after the table as their rows. Added
+    special tokens past the table are let through: released text-only checkpoints have them (Gemma 3's
+    <image_soft_token>, id 262144 of a 262144-row table), and text does not produce them."""
+    top = tok.vocab_size - 1  # the base vocabulary, without added tokens
+    if top >= rows:
+        text = src.text if isinstance(src, ModelSource) else src
+        raise TransMLAError(f"The tokenizer of {text} has token ids up to {top}, but its embedding table has {rows} "
+                            "rows (config.json vocab_size).",
+                            "use the tokenizer that came with these weights (tokenizer.json and its companions), "
+                            "e.g. fetch the model again.")
 
 
 def _load_tokenizer(src: ModelSource, loc: str, kwargs: dict):
