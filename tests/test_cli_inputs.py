@@ -67,6 +67,26 @@ def _refused(argv, capsys, root: Path, *words) -> str:
     return lines[0]
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--refit"], "--[no-]refit"), (["--freqfold", "2"], "--freqfold"), (["--no-attention-aware"], "--[no-]attention-aware"),
+    (["--paper", "--calibration", "parallel"], "--calibration, --paper"), (["--no-balance-kv", "--pca", "weights"],
+                                                                           "--no-balance-kv, --pca"),
+], ids=["refit", "freqfold", "attention-aware", "paper", "bkv-pca"])
+def test_mha2mla_refuses_the_flags_it_would_drop(llama_dir, work, capsys, no_weights, flags, named):
+    """MHA2MLA's steps are fixed; these flags were normalised away and the baseline ran as if they were not given."""
+    root, common = work
+    _refused(["convert", "--model", str(llama_dir), "--out", str(root / "o"), "--method", "mha2mla",
+              "--kv-cache-ratio", "0.25", *flags, "--dry-run", *common], capsys, root,
+             f"--method mha2mla takes no {named}", "drop them, or convert with --method transmla")
+
+
+def test_mha2mla_takes_its_own_flags(llama_dir, work, capsys, no_weights):
+    root, common = work
+    rc = main(["convert", "--model", str(llama_dir), "--out", str(root / "o"), "--method", "mha2mla",
+               "--kv-cache-ratio", "0.25", "--freqfold", "4", "--pca", "activations", "--dry-run", *common])
+    assert rc == 0, capsys.readouterr().err
+
+
 # 1. q_lora_rank against the model's dims (queries [h (d + R), D] = [4 (16 + R), 64]: at most 64)
 
 def test_dry_run_refuses_impossible_q_lora_rank(llama_dir, work, capsys, no_weights):
@@ -166,9 +186,11 @@ def test_the_output_check_leaves_no_probe_behind(tmp_path):
     ({"tie_word_embeddings": False}, ["not in the weights (lm_head.weight)"]),
     ({"head_dim": 32}, ["do not have the shapes its config.json gives", "k_proj.weight: (32, 64) in the weights, (64, 64) by the config"]),
 ], ids=["more-layers", "fewer-layers", "untied-head", "head-dim"])
-def test_weights_that_do_not_match_the_config_are_refused(llama_dir, work, capsys, edit, words):
+@pytest.mark.parametrize("load", ["model", "layers"])
+def test_weights_that_do_not_match_the_config_are_refused(llama_dir, work, capsys, edit, words, load):
     """transformers loads such a folder anyway: a tensor the weights lack initialised at random (more layers,
-    an untied lm_head), a layer the config lacks dropped; the conversion then ran on it and exited 0."""
+    an untied lm_head), a layer the config lacks dropped; the conversion then ran on it and exited 0. The
+    layer-streamed path reads tensors by name: it converted as far as the weights went, or cut the model short."""
     import shutil
 
     root, common = work
@@ -177,7 +199,7 @@ def test_weights_that_do_not_match_the_config_are_refused(llama_dir, work, capsy
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, **edit}))
     _refused_after_load(["convert", "--model", str(bad), "--out", str(root / "o"), "--cal-nsamples", "2",
-                         "--cal-seqlen", "16", *common], capsys, root, *words,
+                         "--cal-seqlen", "16", "--load", load, *common], capsys, root, *words,
                         "use the config.json that came with these weights")
 
 
@@ -192,6 +214,71 @@ def _refused_after_load(argv, capsys, root: Path, *words) -> None:
     for w in words:
         assert w in lines[0], lines[0]
     assert out == "" and _listing(root) == before
+
+
+@pytest.mark.parametrize("load", ["model", "layers"])
+def test_a_tokenizer_larger_than_the_embedding_table_is_refused(tiny_tokenizer, work, capsys, load):
+    """Token ids past the embedding table were an IndexError in the first forward pass; the layer-streamed
+    conversion instead read the bytes after the table as those rows and exited 0."""
+    from conftest import _tiny_model
+
+    root, common = work
+    bad = root.parent / f"{root.name}-model"
+    _tiny_model("llama", 256).save_pretrained(bad)  # the tokenizer has 512 tokens
+    tiny_tokenizer.save_pretrained(bad)
+    _refused_after_load(["convert", "--model", str(bad), "--out", str(root / "o"), "--cal-nsamples", "2",
+                         "--cal-seqlen", "16", "--load", load, *common], capsys, root,
+                        "token ids up to 511", "has 256 rows", "use the tokenizer that came with these weights")
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda b: b"", ["0 bytes, shorter than a header"]),
+    (lambda b: b[: len(b) // 2], ["it ends inside model.layers."]),
+    (lambda b: (10**9).to_bytes(8, "little") + b[8:], ["past the end of the file"]),
+    (lambda b: b[:8] + b"\xff" * (len(b) - 8), ["its header is not JSON"]),
+], ids=["empty", "truncated", "header-length", "header-bytes"])
+def test_a_damaged_weight_file_is_refused_layer_streamed(llama_dir, work, capsys, damage, words):
+    """--load layers reads the safetensors header itself: an empty or cut file was a struct/JSON traceback."""
+    import shutil
+
+    root, common = work
+    bad = root.parent / f"{root.name}-model"
+    shutil.copytree(llama_dir, bad)
+    (bad / "model.safetensors").write_bytes(damage((bad / "model.safetensors").read_bytes()))
+    _refused_after_load(["convert", "--model", str(bad), "--out", str(root / "o"), "--cal-nsamples", "2",
+                         "--cal-seqlen", "16", "--load", "layers", *common], capsys, root,
+                        "is not a readable safetensors file", *words, "fetch the model again")
+
+
+def test_an_added_token_past_the_table_loads(llama_dir, tiny_tokenizer, tmp_path):
+    """Released text-only checkpoints carry added special tokens past their table (Gemma 3's <image_soft_token>):
+    the check looks at the base vocabulary only."""
+    import copy
+    import shutil
+
+    from transmla.io.sources import load_model
+
+    d = tmp_path / "model"
+    shutil.copytree(llama_dir, d)
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<image_soft_token>"]})
+    assert tok.convert_tokens_to_ids("<image_soft_token>") == len(tiny_tokenizer)  # one past the 512-row table
+    tok.save_pretrained(d)
+    model, loaded = load_model(str(d))
+    assert model.get_input_embeddings().num_embeddings == len(tiny_tokenizer) == len(loaded) - 1
+
+
+def test_rows_past_a_lazy_table_are_refused(llama_dir):
+    import torch
+
+    from transmla.io.lazy import LazyCheckpoint
+
+    ckpt = LazyCheckpoint(llama_dir)
+    rows = ckpt.entries["model.embed_tokens.weight"][3][0]
+    ok = ckpt.rows("model.embed_tokens.weight", torch.tensor([0, rows - 1]))
+    assert ok.shape == (2, 64)
+    with pytest.raises(IndexError, match=f"has {rows} rows"):
+        ckpt.rows("model.embed_tokens.weight", torch.tensor([3, rows]))
 
 
 def test_a_truncated_weight_file_is_refused(llama_dir, work, capsys):
@@ -210,6 +297,16 @@ def test_convert_refuses_out_that_is_a_file(llama_dir, work, capsys, no_weights)
     (root / "afile").write_text("x")
     _refused(["convert", "--model", str(llama_dir), "--out", str(root / "afile"), *common], capsys, root,
              "--out", "is a file, not a directory")
+
+
+@pytest.mark.parametrize("argv", [["convert", "--dry-run"], ["convert"], ["ppl"], ["eval", "--tasks", "piqa"]],
+                         ids=["dry-run", "convert", "ppl", "eval"])
+def test_an_empty_out_is_refused(llama_dir, work, capsys, no_weights, monkeypatch, argv):
+    """--out "" (an unset shell variable) resolved to the working directory, which an empty one let through."""
+    root, common = work
+    monkeypatch.chdir(root)  # empty: the old check passed it
+    _refused([argv[0], "--model", str(llama_dir), "--out", "", *argv[1:], *common], capsys, root,
+             "--out is empty (an unset shell variable?)", "give --out a path")
 
 
 def test_ppl_refuses_out_that_is_a_directory(llama_dir, work, capsys, no_weights):

@@ -76,7 +76,7 @@ def cmd_ppl(args) -> dict:
 
     # refused before the model is materialised or loaded: main() writes --out after the whole evaluation
     check_windows(args.seqlen, args.max_tokens)
-    if args.out:
+    if args.out is not None:  # "" too: refused as empty, not taken for "no file"
         check_output(args.out, "file")
     texts = load_texts("wikitext2-test", args.data_dir)  # a missing or broken data file, too
     info = source_info(args.model, cache=args.cache_dir)
@@ -109,15 +109,22 @@ def cmd_convert(args) -> dict:
 
 def convert_options(args) -> ConvertOptions:
     """The options of `transmla convert`: --paper sets the paper's modes, explicit mode flags win."""
+    if args.method == "mha2mla":  # its steps are fixed: these flags were dropped without a word
+        given = [flag for flag, on in (
+            ("--freqfold", args.freqfold != CO["freqfold"].default), ("--no-balance-kv", args.no_balance_kv),
+            ("--[no-]attention-aware", args.attention_aware is not None), ("--pca", args.pca != CO["pca"].default),
+            ("--calibration", args.calibration is not None), ("--[no-]refit", args.refit is not None),
+            ("--rorope-metric", args.rorope_metric is not None), ("--paper", args.paper)) if on]
+        if given:
+            raise TransMLAError(f"--method mha2mla takes no {', '.join(given)}: the baseline's steps are fixed "
+                                "(2-norm RoPE selection, joint SVD of the weights).",
+                                "drop them, or convert with --method transmla.")
     base = PAPER_TRANSMLA if args.paper else {k: ConvertOptions.model_fields[k].default for k in PAPER_TRANSMLA}
-    for k, v in base.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    mode = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in base.items()}  # args stay as given
     return ConvertOptions(
         method=args.method, kv_cache_ratio=args.kv_cache_ratio, qk_rope_dim=args.qk_rope_dim,
         kv_lora_rank=args.kv_lora_rank, freqfold=args.freqfold, q_lora_rank=args.q_lora_rank,
-        balance_kv=not args.no_balance_kv, attention_aware=args.attention_aware, pca=args.pca,
-        calibration=args.calibration, refit=args.refit, rorope_metric=args.rorope_metric, lossless=args.lossless,
+        balance_kv=not args.no_balance_kv, pca=args.pca, lossless=args.lossless, **mode,
         cal_dataset=args.cal_dataset, cal_nsamples=args.cal_nsamples, cal_seqlen=args.cal_seqlen, seed=args.seed,
         cal_batch_size=args.cal_batch_size,
         dtype=args.dtype, device=args.device, latent_norm_eps=args.latent_norm_eps, load=args.load,
@@ -445,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "eval":
         result = {k: v for k, v in result.items() if k != "columns"}
     text = json.dumps(result, indent=None if args.command == "ppl" else 2)
-    if getattr(args, "out", None) and args.command == "ppl":
+    if getattr(args, "out", None) is not None and args.command == "ppl":
         write_text_atomic(args.out, text + "\n")
     print(text)
     return 0

@@ -41,10 +41,20 @@ def cache_dir(override: str | os.PathLike | None = None) -> Path:
     return root
 
 
+def _not_blank(path, flag: str) -> None:
+    """An empty path resolves to the working directory: more often an unset shell variable than a choice."""
+    from transmla.errors import TransMLAError
+
+    if isinstance(path, str) and not path.strip():
+        raise TransMLAError(f"{flag} is empty (an unset shell variable?); it would mean the working directory.",
+                            f"give {flag} a path (. for the working directory).")
+
+
 def new_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     """Resolve an output directory that must not exist yet (or be empty); one clear error otherwise."""
     from transmla.errors import TransMLAError
 
+    _not_blank(path, flag)
     out = Path(path).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise TransMLAError(f"{flag} {out} is a file, not a directory.", f"give {flag} a new directory path.")
@@ -63,6 +73,7 @@ def check_output(path: str | Path, kind: str = "new_dir", flag: str = "--out") -
 
     if kind not in ("new_dir", "dir", "file", "new_file"):
         raise ValueError(f"check_output kind {kind!r}")
+    _not_blank(path, flag)
     out = new_output_dir(path, flag) if kind == "new_dir" else Path(path).expanduser().resolve()
     if kind == "new_file" and (out.exists() or out.is_symlink()):
         raise TransMLAError(f"Output file {out} ({flag}) already exists.", f"choose a new {flag} or remove it.")
