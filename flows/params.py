@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from transmla.config import (FINETUNE_CORPORA, FREQFOLDS, CalibrationOptions, ConvertOptions, EvaluationOptions,
                              ExportOptions, FinetuneConfig, PAPER_TRANSMLA,
-                             TransMLAOptions)
+                             TransMLAOptions, no_bool_numbers)
 from transmla.errors import TransMLAError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -26,6 +26,7 @@ DEFAULT_PARAMS = REPO_ROOT / "params" / "default.yaml"
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # a float is finite: inf passed gt=0
+    _no_bools = field_validator("*", mode="before")(no_bool_numbers)  # YAML's `yes` is no number
 
 
 class MHA2MLAParams(Strict):

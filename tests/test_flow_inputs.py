@@ -267,6 +267,11 @@ def test_nightly_params_are_validated_at_load(override, field):
     ({"calibration.seed": -1}, ["calibration.seed", "greater than or equal to 0"]),
     ({"finetune.seed": 2**32}, ["finetune.seed", "less than 4294967296"]),
     ({"evaluation.seed": -5}, ["evaluation.seed", "greater than or equal to 0"]),
+    # YAML reads yes/no/on/off as booleans, and pydantic took them as 1 and 0 (`nsamples: yes` calibrated on 1 window)
+    ({"calibration.nsamples": True}, ["calibration.nsamples", "True is a boolean, not a number"]),
+    ({"finetune.lr": False}, ["finetune.lr", "False is a boolean"]),
+    ({"throughput.contexts": [512, True]}, ["throughput.contexts", "holds a boolean"]),
+    ({"evaluation.limit": True}, ["evaluation.limit", "is a boolean"]),
     # Fig. 4b divided the head dim by 0 after calibration and every conversion
     ({"figures.rope_dims": [8, 0]}, ["figures.rope_dims", "RoPE dim 0", "even number >= 2"]),
     ({"figures.rope_dims": [3]}, ["figures.rope_dims", "RoPE dim 3"]),
@@ -281,6 +286,19 @@ def test_params_that_would_fail_inside_a_stage_are_refused_at_load(override, wor
     for w in words:
         assert w in str(e.value), str(e.value)
     assert "Fix:" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_yaml_booleans_stay_where_a_boolean_is_wanted():
+    """The refusal of booleans for numbers leaves the boolean params, and the library's options, as they were."""
+    from flows.params import load_profile
+    from transmla.config import ConvertOptions
+
+    prof = load_profile(DEFAULT, {"finetune.gradient_checkpointing": True, "throughput.packed_weights": False,
+                            "methods.transmla.refit": True})
+    assert prof.finetune.gradient_checkpointing is True and prof.methods.transmla.refit is True
+    assert ConvertOptions(refit=False, lossless=False).refit is False
+    with pytest.raises(TransMLAError, match="cal_nsamples: True is a boolean"):
+        ConvertOptions(cal_nsamples=True)
 
 
 def test_a_device_this_machine_lacks_is_refused_before_the_flow_run(tmp_path):

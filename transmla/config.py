@@ -32,10 +32,31 @@ REFIT_MAX_DIM = 4096  # latent coordinates fitted jointly (heads x rank): bounds
 FINETUNE_CORPORA = ("c4-demo", "wiki-demo", "wikitext2-train")
 
 
+def _admits_bool(annotation) -> bool:
+    from typing import get_args, get_origin
+
+    if annotation is bool:
+        return True
+    if get_origin(annotation) is Literal:
+        return any(isinstance(a, bool) for a in get_args(annotation))
+    return any(_admits_bool(a) for a in get_args(annotation))
+
+
+def no_bool_numbers(cls, v, info):
+    """A before-validator for every field: a boolean (or a list holding one) where the field takes no boolean is
+    refused. YAML reads yes/no/on/off as booleans and pydantic would take them as the numbers 1 and 0."""
+    if isinstance(v, bool) or (isinstance(v, (list, tuple)) and any(isinstance(x, bool) for x in v)):
+        if not _admits_bool(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"{v!r} {'is' if isinstance(v, bool) else 'holds'} a boolean, not a number or name "
+                             "(YAML reads yes/no/on/off as booleans)")
+    return v
+
+
 class Options(BaseModel):
     """Frozen, no unknown keys; direct construction reports bad values as one TransMLAError."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # a float is finite: inf passed gt=0
+    _no_bools = field_validator("*", mode="before")(no_bool_numbers)
 
     def __init__(self, **data):
         try:
