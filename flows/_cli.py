@@ -88,7 +88,7 @@ def check_new_outputs(args, kinds: dict[str, str]) -> None:
     from transmla.io.paths import check_output
 
     for name, kind in kinds.items():
-        if getattr(args, name, None):
+        if getattr(args, name, None) is not None:  # "" too: refused as empty, not read as "not given"
             check_output(getattr(args, name), kind, "--" + name.replace("_", "-"))
 
 

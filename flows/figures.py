@@ -67,8 +67,9 @@ def check_figures(profile: Profile, spec) -> None:
             resolve_budget(spec, o)
     try:
         resolve_budget(spec, profile.convert_options("transmla", f.fig5_budget, balance_kv=True))
-    except TransMLAError as e:
-        raise TransMLAError(f"figures.fig5_budget={f.fig5_budget:g}: {e.problem}", "raise figures.fig5_budget.") from None
+    except TransMLAError as e:  # the budget's own fix names --kv-cache-ratio; a freqfold error keeps its own
+        fix = "raise figures.fig5_budget." if "kv_cache_ratio" in e.problem else e.fix
+        raise TransMLAError(f"figures.fig5_budget={f.fig5_budget:g}: {e.problem}", fix) from None
 
 
 @flow(name="figures")

@@ -22,7 +22,9 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.model import resolve_model, spec_of
+from transmla.convert import config_spec
 from transmla.errors import TransMLAError
+from transmla.io.sources import check_source
 from transmla.pipeline.budget import resolve_budget
 
 from . import _cli, cluster, layout
@@ -55,10 +57,12 @@ def variant_rows(profile: Profile, model: str, method: str, budget: float, stats
 def check_plan(profile: Profile, no_figures: bool = False) -> None:
     """Every model's conversions (and figures) against its shapes, before the first calibration: otherwise an
     impossible budget, or a second model that cannot be read, fails after the work on the models before it.
-    Reads each model's config.json (a source not yet local is fetched, as its calibration would first)."""
+    Reads each model's config alone, as `transmla convert --dry-run` does (a hub model's config.json, a GGUF's header);
+    only a source whose config gives no shapes (a catalog entry without its header) is fetched for it."""
     p = profile.pipeline
     for model in p.models:
-        spec = spec_of(resolve_model.fn(profile.model(model).source))
+        source = profile.model(model).source
+        spec = config_spec(check_source(source)) or spec_of(resolve_model.fn(source))
         try:
             for budget in p.budgets:
                 for method in p.methods:

@@ -71,6 +71,24 @@ def test_unsupported_configs_are_refused_before_any_weight(tmp_path, monkeypatch
     assert "Fix:" in str(e.value) and not out.exists()
 
 
+@pytest.mark.parametrize("cfg, words", [
+    ({"rope_theta": 0}, "rope_theta is 0"),
+    ({"rope_theta": float("nan")}, "rope_theta is nan"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": -1.0}}},
+     r"rope_theta \(sliding_attention\) is -1.0"),
+    ({"rope_theta": 1e6, "rope_local_base_freq": 0}, "rope_local_base_freq is 0"),  # Gemma 3 before transformers 5
+    ({"rope_theta": 1e4, "rms_norm_eps": -1e-6}, "rms_norm_eps is -1e-06"),
+], ids=["zero", "nan", "gemma3-nested", "gemma3-local", "eps"])
+def test_impossible_rope_bases_and_eps_are_refused_from_the_config(cfg, words):
+    """NaN cos/sin (or norms) from these surfaced as an SVD failure after the whole calibration."""
+    from transmla.adapters import check_values
+
+    with pytest.raises(TransMLAError, match=words):
+        check_values(cfg)
+    check_values({"rope_theta": 1e4, "rms_norm_eps": 0.0, "rope_local_base_freq": 1e4})  # what releases have
+
+
 def _write_gguf(path, arch: str, **kv):
     import gguf
 
@@ -180,7 +198,7 @@ def test_a_truncated_gguf_is_refused_from_its_header(tmp_path, monkeypatch):
     parts = [tmp_path / "p0", tmp_path / "p1"]
     parts[0].write_bytes(data[:100])
     parts[1].write_bytes(data[100:end - 1])
-    with pytest.raises(TransMLAError, match="truncated"):
+    with pytest.raises(TransMLAError, match=r"The GGUF split in 2 parts .*p1\) is truncated"):
         read_metadata(parts)
     r = subprocess.run([sys.executable, "-m", "transmla.cli", "convert", "--model", f"gguf:{path}", "--out",
                         str(tmp_path / "out"), "--dry-run", "--cache-dir", str(tmp_path / "cache")],

@@ -231,12 +231,23 @@ def test_a_tokenizer_larger_than_the_embedding_table_is_refused(tiny_tokenizer, 
                         "token ids up to 511", "has 256 rows", "use the tokenizer that came with these weights")
 
 
+def _rewrite_header(data: bytes, edit) -> bytes:
+    """The safetensors file `data` with its JSON header edited (the tensor bytes kept: their offsets count from
+    the end of the header)."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.dumps(edit(json.loads(data[8:8 + n]))).encode()
+    return len(header).to_bytes(8, "little") + header + data[8 + n:]
+
+
 @pytest.mark.parametrize("damage, words", [
     (lambda b: b"", ["0 bytes, shorter than a header"]),
     (lambda b: b[: len(b) // 2], ["it ends inside model.layers."]),
     (lambda b: (10**9).to_bytes(8, "little") + b[8:], ["past the end of the file"]),
     (lambda b: b[:8] + b"\xff" * (len(b) - 8), ["its header is not JSON"]),
-], ids=["empty", "truncated", "header-length", "header-bytes"])
+    (lambda b: _rewrite_header(b, lambda h: {**h, "model.norm.weight": {"dtype": "F32", "shape": [64]}}),
+     ["its entry for model.norm.weight has no dtype, shape and data offsets"]),
+    (lambda b: _rewrite_header(b, lambda h: {**h, "model.norm.weight": [1, 2]}), ["its entry for model.norm.weight"]),
+], ids=["empty", "truncated", "header-length", "header-bytes", "entry-no-offsets", "entry-a-list"])
 def test_a_damaged_weight_file_is_refused_layer_streamed(llama_dir, work, capsys, damage, words):
     """--load layers reads the safetensors header itself: an empty or cut file was a struct/JSON traceback."""
     import shutil
@@ -271,13 +282,14 @@ def test_an_added_token_past_the_table_loads(llama_dir, tiny_tokenizer, tmp_path
 def test_rows_past_a_lazy_table_are_refused(llama_dir):
     import torch
 
+    from transmla.errors import TransMLAError
     from transmla.io.lazy import LazyCheckpoint
 
     ckpt = LazyCheckpoint(llama_dir)
     rows = ckpt.entries["model.embed_tokens.weight"][3][0]
     ok = ckpt.rows("model.embed_tokens.weight", torch.tensor([0, rows - 1]))
     assert ok.shape == (2, 64)
-    with pytest.raises(IndexError, match=f"has {rows} rows"):
+    with pytest.raises(TransMLAError, match=f"it has {rows} rows .a token id past the embedding table"):
         ckpt.rows("model.embed_tokens.weight", torch.tensor([3, rows]))
 
 

@@ -272,6 +272,7 @@ def test_nightly_params_are_validated_at_load(override, field):
     ({"finetune.lr": False}, ["finetune.lr", "False is a boolean"]),
     ({"throughput.contexts": [512, True]}, ["throughput.contexts", "holds a boolean"]),
     ({"evaluation.limit": True}, ["evaluation.limit", "is a boolean"]),
+    ({"evaluation.limits": {"mmlu": True}}, ["evaluation.limits", "holds a boolean"]),
     # Fig. 4b divided the head dim by 0 after calibration and every conversion
     ({"figures.rope_dims": [8, 0]}, ["figures.rope_dims", "RoPE dim 0", "even number >= 2"]),
     ({"figures.rope_dims": [3]}, ["figures.rope_dims", "RoPE dim 3"]),
@@ -500,10 +501,13 @@ def test_paper_flow_checks_every_model_before_any_work(tmp_path, tiny_model_dir,
     assert not (tmp_path / "artifacts").exists() and not (tmp_path / "reports").exists()
 
 
-def test_paper_flow_plan_skips_the_figures_it_will_not_make(tmp_path, tiny_model_dir):
+def test_paper_flow_plan_skips_the_figures_it_will_not_make(tmp_path, tiny_model_dir, monkeypatch):
+    import flows.paper
     from flows.paper import check_plan
     from flows.params import load_profile
 
+    # the plan reads config.json alone: no model is fetched or hashed for it
+    monkeypatch.setattr(flows.paper, "resolve_model", pytest.fail)
     profile = load_profile(_plan_profile(tmp_path, tiny_model_dir, figures={"rope_dims": [32]}))
     with pytest.raises(TransMLAError, match="figures.rope_dims"):
         check_plan(profile)
@@ -531,3 +535,37 @@ def test_convert_and_figures_resolve_their_budget_before_calibrating(tmp_path, t
     with pytest.raises(TransMLAError, match="figures.fig5_budget"):
         ff.figures.fn(profile, "first")
     assert not (tmp_path / "out").exists()
+
+
+def test_figures_budget_errors_keep_their_own_fix(monkeypatch):
+    """Fig. 5's conversion uses methods.transmla's FreqFold: its error keeps that fix, and only a budget too small
+    is told to raise figures.fig5_budget."""
+    from flows.figures import check_figures
+    from flows.params import load_profile
+    from transmla.adapters import GQASpec
+
+    spec = GQASpec(model_type="llama", D=48, h=4, g=2, d=12, n_layers=2, rope_theta=1e4, rms_norm_eps=1e-6,
+                   vocab_size=64, intermediate_size=96, hidden_act="silu", max_position_embeddings=512,
+                   tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    prof = load_profile(DEFAULT, {"figures.rope_dims": [6, 4, 2], "figures.fig4a_rope_dim": 6, "figures.freqfold": 2,
+                                  "methods.transmla.freqfold": 4})
+    with pytest.raises(TransMLAError, match="figures.fig5_budget=0.3125: freqfold=4") as e:
+        check_figures(prof, spec)
+    assert "raise figures.fig5_budget" not in str(e.value)
+    with pytest.raises(TransMLAError, match="raise figures.fig5_budget"):
+        check_figures(load_profile(DEFAULT, {"figures.rope_dims": [6, 4, 2], "figures.fig4a_rope_dim": 6,
+                                             "figures.freqfold": 2, "methods.transmla.freqfold": 2,
+                                             "figures.fig5_budget": 0.01}), spec)
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("evaluate", ["--model", "tiny", "--method", "original"]),
+    ("convert", ["--model", "tiny", "--method", "transmla", "--budget", "0.25"]),
+    ("calibrate", ["--model", "tiny"]),
+], ids=["evaluate", "convert", "calibrate"])
+def test_flows_refuse_an_empty_out(tmp_path, module, argv):
+    """--out "" passed the output check and reached the flow: evaluate ran, then failed writing ".";
+    convert and calibrate fell back to the pipeline's own output path."""
+    r = _flow_cli(tmp_path, module, *argv, "--out", "")
+    _one_error_line(r, "--out is empty", "give --out a path")
+    assert not (tmp_path / "artifacts").exists() and not (tmp_path / "reports").exists()

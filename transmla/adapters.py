@@ -113,6 +113,11 @@ def check_values(cfg) -> None:
             raise TransMLAError(f"The model config's rope_theta{f' ({where})' if where else ''} is {theta!r}: "
                                 "RoPE's base must be a positive number.",
                                 "correct it in config.json (from the model's original release).")
+    local = _get(cfg, "rope_local_base_freq", None)  # Gemma 3's sliding layers, in configs before transformers 5
+    if local is not None and (isinstance(local, bool) or not isinstance(local, (int, float))
+                              or not math.isfinite(local) or local <= 0):
+        raise TransMLAError(f"The model config's rope_local_base_freq is {local!r}: RoPE's base must be a positive number.",
+                            "correct it in config.json (from the model's original release).")
     for key in ("rms_norm_eps",):
         v = _get(cfg, key, None)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):

@@ -33,22 +33,31 @@ FINETUNE_CORPORA = ("c4-demo", "wiki-demo", "wikitext2-train")
 
 
 def _admits_bool(annotation) -> bool:
+    """Whether a value of this type may hold a boolean: bool itself, a Literal of one, a pydantic model (its own
+    fields decide), or a container or union of any of these."""
     from typing import get_args, get_origin
 
-    if annotation is bool:
+    if annotation is bool or (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
         return True
     if get_origin(annotation) is Literal:
         return any(isinstance(a, bool) for a in get_args(annotation))
     return any(_admits_bool(a) for a in get_args(annotation))
 
 
+def _holds_bool(v) -> bool:
+    if isinstance(v, bool):
+        return True
+    if isinstance(v, dict):
+        return any(_holds_bool(x) for x in v.values())
+    return isinstance(v, (list, tuple)) and any(_holds_bool(x) for x in v)
+
+
 def no_bool_numbers(cls, v, info):
-    """A before-validator for every field: a boolean (or a list holding one) where the field takes no boolean is
-    refused. YAML reads yes/no/on/off as booleans and pydantic would take them as the numbers 1 and 0."""
-    if isinstance(v, bool) or (isinstance(v, (list, tuple)) and any(isinstance(x, bool) for x in v)):
-        if not _admits_bool(cls.model_fields[info.field_name].annotation):
-            raise ValueError(f"{v!r} {'is' if isinstance(v, bool) else 'holds'} a boolean, not a number or name "
-                             "(YAML reads yes/no/on/off as booleans)")
+    """A before-validator for every field: a boolean (or a list or mapping holding one) where the field takes no
+    boolean is refused. YAML reads yes/no/on/off as booleans and pydantic would take them as the numbers 1 and 0."""
+    if _holds_bool(v) and not _admits_bool(cls.model_fields[info.field_name].annotation):
+        raise ValueError(f"{v!r} {'is' if isinstance(v, bool) else 'holds'} a boolean, not a number or name "
+                         "(YAML reads yes/no/on/off as booleans)")
     return v
 
 

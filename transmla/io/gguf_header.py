@@ -146,7 +146,8 @@ def _check_data_extent(paths: list, meta: dict, header_end: int, extents: list[t
             need, last = end, name
     total = sum(os.path.getsize(p) for p in paths)
     if need > total:
-        raise TransMLAError(f"{paths[0]} is truncated: its tensors need {need:,} bytes (up to the end of {last}), "
+        what = f"{paths[0]}" if len(paths) == 1 else f"The GGUF split in {len(paths)} parts ({paths[0]} ... {paths[-1]})"
+        raise TransMLAError(f"{what} is truncated: its tensors need {need:,} bytes (up to the end of {last}), "
                             f"the file{'s hold' if len(paths) > 1 else ' holds'} {total:,}.",
                             "download the GGUF file again (a complete copy).")
 

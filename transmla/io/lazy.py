@@ -90,7 +90,11 @@ class LazyCheckpoint:
         row_bytes = shape[1] * stored.itemsize
         idx = index.tolist()
         if idx and not 0 <= idx[0] <= idx[-1] < shape[0]:  # a seek past the table reads other tensors' bytes
-            raise IndexError(f"rows {idx[0]}..{idx[-1]} of {name}, which has {shape[0]} rows")
+            # (the embedding rows of token ids; the tokenizer check lets added special tokens past the table through)
+            raise TransMLAError(f"Row {idx[-1] if idx[-1] >= shape[0] else idx[0]} of {name} was asked for; it has "
+                                f"{shape[0]} rows (a token id past the embedding table: an added special token in "
+                                "the text?).", "remove that token from the text (or use the tokenizer that came with "
+                                "these weights).")
         out = torch.empty(len(idx), shape[1], dtype=dtype)
         with open(path, "rb") as fh:
             i = 0
@@ -134,7 +138,17 @@ def _header(path: Path) -> tuple[int, dict]:
     if not isinstance(header, dict):
         raise damaged("its header is not a table of tensors")
     for name, e in header.items():
-        if name != "__metadata__" and 8 + n + e["data_offsets"][1] > size:
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = e["data_offsets"]
+            dtype, shape = e["dtype"], e["shape"]
+        except (KeyError, TypeError, ValueError):
+            raise damaged(f"its entry for {name} has no dtype, shape and data offsets") from None
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end and isinstance(dtype, str)
+                and isinstance(shape, list) and all(isinstance(x, int) and x >= 0 for x in shape)):
+            raise damaged(f"its entry for {name} is malformed")
+        if 8 + n + end > size:
             raise damaged(f"it ends inside {name}")
     return n, header
 
