@@ -79,7 +79,10 @@ def test_unsupported_configs_are_refused_before_any_weight(tmp_path, monkeypatch
      r"rope_theta \(sliding_attention\) is -1.0"),
     ({"rope_theta": 1e6, "rope_local_base_freq": 0}, "rope_local_base_freq is 0"),  # Gemma 3 before transformers 5
     ({"rope_theta": 1e4, "rms_norm_eps": -1e-6}, "rms_norm_eps is -1e-06"),
-], ids=["zero", "nan", "gemma3-nested", "gemma3-local", "eps"])
+    # an MLA export with num_key_value_heads edited: fine-tuned and saved, exit 0; every forward then failed
+    ({"model_type": "deepseek_v3", "rope_theta": 1e4, "num_attention_heads": 4, "num_key_value_heads": 2},
+     "num_key_value_heads is 2, not its num_attention_heads 4"),
+], ids=["zero", "nan", "gemma3-nested", "gemma3-local", "eps", "mla-kv-heads"])
 def test_impossible_rope_bases_and_eps_are_refused_from_the_config(cfg, words):
     """NaN cos/sin (or norms) from these surfaced as an SVD failure after the whole calibration."""
     from transmla.adapters import check_values

@@ -318,7 +318,21 @@ def test_an_empty_out_is_refused(llama_dir, work, capsys, no_weights, monkeypatc
     root, common = work
     monkeypatch.chdir(root)  # empty: the old check passed it
     _refused([argv[0], "--model", str(llama_dir), "--out", "", *argv[1:], *common], capsys, root,
-             "--out is empty (an unset shell variable?)", "give --out a path")
+             "--out is empty (an unset shell variable?)", "give --out a")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["finetune", "--corpora", "wikitext2-train", "--teacher", " "], "--teacher"),  # ran without a teacher
+    (["ppl", "--data-dir", ""], "--data-dir"),  # the default data folder, without a word
+    (["ppl", "--cache-dir", ""], "--cache-dir"),
+    (["eval", "--tasks", "piqa", "--limits", ""], "--limits"),
+], ids=["teacher", "data-dir", "cache-dir", "limits"])
+def test_an_empty_option_is_refused(llama_dir, work, capsys, no_weights, argv, flag):
+    root, common = work
+    model = str(_mla_dir(root)) if argv[0] == "finetune" else str(llama_dir)
+    out = ["--out", str(root / "o")] if argv[0] == "finetune" else []
+    _refused([argv[0], "--model", model, *out, *common, *argv[1:]], capsys, root,  # after common: the last one counts
+             f"{flag} is empty (an unset shell variable?)", f"give {flag} a value, or leave it out")
 
 
 def test_ppl_refuses_out_that_is_a_directory(llama_dir, work, capsys, no_weights):
@@ -349,7 +363,20 @@ def test_finetune_refuses_out_under_a_file(work, capsys, no_weights):
                                           # lm-eval asserted after the model loaded: its traceback, exit 1
                                           (["--tasks", "mmlu", "--num-fewshot", "6"], "five questions per subject"),
                                           # 0 meant "every doc": an hours-long run where -1 was refused
-                                          (["--limit", "0"], "--limit 0 must be a positive")])
+                                          (["--limit", "0"], "--limit 0 must be a positive"),
+                                          # scored twice (twice the time), reported once
+                                          (["--tasks", "piqa,piqa"], "piqa are named more than once"),
+                                          # ignored, yet recorded in results.json as if used
+                                          (["--tasks", "piqa", "--limit", "4", "--limits", "mmlu=2"],
+                                           "--limits names mmlu, which --tasks piqa does not run"),
+                                          (["--tasks", "piqa", "--limit", "4", "--superset", "mmlu=10"],
+                                           "--superset names mmlu"),
+                                          # the last one won without a word
+                                          (["--tasks", "piqa", "--limit", "4", "--limits", "piqa=2,piqa=3"],
+                                           "names a benchmark more than once"),
+                                          # HF's device map offloaded to ./offload: same scores, a stray folder
+                                          (["--tasks", "piqa", "--limit", "2", "--parallelize"],
+                                           "parallelize splits one model over the visible GPUs")])
 def test_eval_refuses_no_tasks_and_negative_fewshot(llama_dir, work, capsys, no_weights, flags, words):
     root, common = work
     _refused(["eval", "--model", str(llama_dir), *flags, *common], capsys, root, words)
@@ -404,8 +431,9 @@ def test_finetune_refuses_unknown_corpus_before_loading(work, capsys, no_weights
 @pytest.mark.parametrize("corpus, words", [("arc_easy", "is a benchmark"), ("wikitext2-test", "is an evaluation split")])
 def test_finetune_refuses_a_benchmark_or_test_split_as_a_corpus_before_loading(work, capsys, no_weights, corpus, words):
     root, common = work
-    _refused(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora", f"c4-demo,{corpus}",
-              *common], capsys, root, f"--corpora {corpus}", words, "wikitext2-train")
+    line = _refused(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora",
+                     f"c4-demo,{corpus}", *common], capsys, root, f"--corpora {corpus}", words, "wikitext2-train")
+    assert "wikitext2-test" not in line.split("Fix:")[1]  # offered, then refused as an evaluation split
 
 
 def test_finetune_from_hub_corpora_needs_a_document_limit_and_streams_up_to_it(work, capsys, no_weights, monkeypatch):
@@ -534,6 +562,66 @@ def test_finetune_refuses_a_teacher_of_another_vocabulary_before_loading(llama_d
         main(argv)
 
 
+def _student_with_tokenizer(root: Path, llama_dir: Path) -> Path:
+    """_mla_dir with the tiny model's tokenizer and vocabulary size (no weights)."""
+    import shutil
+
+    d = _mla_dir(root)
+    vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
+    (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "vocab_size": vocab}))
+    for f in llama_dir.glob("tokenizer*"):
+        shutil.copy(f, d / f.name)
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, d / "model.safetensors")  # a folder that passes the listing; never loaded
+    return d
+
+
+def test_finetune_refuses_a_teacher_whose_ids_mean_other_strings(llama_dir, work, capsys, monkeypatch):
+    """Only the vocabulary sizes were compared: a teacher with another tokenizer of the same size distilled token
+    id against token id (other strings) and exited 0."""
+    import shutil
+
+    import transmla.io.sources as sources
+
+    monkeypatch.setattr(sources, "load_model", _touched)
+    root, common = work
+    student = _student_with_tokenizer(root, llama_dir)
+    teacher = root.parent / f"{root.name}-teacher"
+    shutil.copytree(llama_dir, teacher)
+    tj = json.loads((teacher / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    a, b = (k for k, v in vocab.items() if v in (300, 301))  # two tokens swap ids: same size, other meaning
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (teacher / "tokenizer.json").write_text(json.dumps(tj))
+    argv = ["finetune", "--model", str(student), "--out", str(root / "ft"), "--corpora", "wikitext2-train",
+            "--max-tokens", "4096", "--val-tokens", "512", "--seqlen", "64", "--teacher", str(teacher), *common]
+    _refused(argv, capsys, root, "The teacher's tokenizer is not the student's", "id 300", "--teacher")
+    shutil.copy(llama_dir / "tokenizer.json", teacher / "tokenizer.json")  # the original's own tokenizer: it loads
+    with pytest.raises(WeightsTouched):
+        main(argv)
+
+
+@pytest.mark.parametrize("how", ["same-folder", "copy"])
+def test_finetune_refuses_the_student_as_its_own_teacher(llama_dir, work, capsys, monkeypatch, how):
+    """The student as teacher trained on a KL of 0 and exited 0 (val_kd_before 1.8e-08)."""
+    import shutil
+
+    import transmla.io.sources as sources
+
+    monkeypatch.setattr(sources, "load_model", _touched)
+    root, common = work
+    student = _student_with_tokenizer(root, llama_dir)
+    teacher = student
+    if how == "copy":
+        teacher = root.parent / f"{root.name}-copy"
+        shutil.copytree(student, teacher)
+    _refused(["finetune", "--model", str(student), "--out", str(root / "ft"), "--corpora", "wikitext2-train",
+              "--max-tokens", "4096", "--val-tokens", "512", "--seqlen", "64", "--teacher", str(teacher), *common],
+             capsys, root, "is the student itself", "--teacher")
+
+
 def test_finetune_refuses_a_teacher_of_an_unsupported_architecture_before_loading(work, capsys, no_weights):
     """A GPT-2 teacher loaded and failed mid-training ('GPT2LMHeadModel' object has no attribute 'model')."""
     root, common = work
@@ -552,7 +640,7 @@ def test_an_infinite_number_is_refused_before_any_work(llama_dir, work, capsys, 
     model = str(_mla_dir(root)) if cmd == "finetune" else str(llama_dir)
     extra = ["--corpora", "wikitext2-train"] if cmd == "finetune" else []
     _refused([cmd, "--model", model, "--out", str(root / "o"), flag, "inf", *extra, *common], capsys, root,
-             "finite number", flag.lstrip("-").replace("-", "_"))
+             "finite number", f"{flag}: ", f"pass a valid {flag} (see `transmla {cmd} --help`)")  # the flag, not the field
 
 
 def test_ppl_refuses_missing_data_before_loading(llama_dir, work, capsys, no_weights):

@@ -273,6 +273,7 @@ def test_nightly_params_are_validated_at_load(override, field):
     ({"throughput.contexts": [512, True]}, ["throughput.contexts", "holds a boolean"]),
     ({"evaluation.limit": True}, ["evaluation.limit", "is a boolean"]),
     ({"evaluation.limits": {"mmlu": True}}, ["evaluation.limits", "holds a boolean"]),
+    ({"evaluation.tasks": ["piqa", "mmlu", "piqa"]}, ["evaluation.tasks", "['piqa'] more than once"]),
     # Fig. 4b divided the head dim by 0 after calibration and every conversion
     ({"figures.rope_dims": [8, 0]}, ["figures.rope_dims", "RoPE dim 0", "even number >= 2"]),
     ({"figures.rope_dims": [3]}, ["figures.rope_dims", "RoPE dim 3"]),

@@ -118,6 +118,12 @@ def check_values(cfg) -> None:
                               or not math.isfinite(local) or local <= 0):
         raise TransMLAError(f"The model config's rope_local_base_freq is {local!r}: RoPE's base must be a positive number.",
                             "correct it in config.json (from the model's original release).")
+    if _get(cfg, "model_type", None) == "deepseek_v3":  # MLA: every query head reads the one latent, as its own head
+        h, g = _get(cfg, "num_attention_heads", None), _get(cfg, "num_key_value_heads", None)
+        if h is not None and g is not None and g != h:  # trained and saved fine; every forward then failed on shapes
+            raise TransMLAError(f"The DeepSeek-V3 config's num_key_value_heads is {g}, not its num_attention_heads {h} "
+                                "(MLA expands the latent to one key and value per query head).",
+                                f"set num_key_value_heads to {h} in config.json (what the export wrote).")
     for key in ("rms_norm_eps",):
         v = _get(cfg, key, None)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):

@@ -107,6 +107,19 @@ def cmd_convert(args) -> dict:
     return {"out": str(args.out), **{k: meta[k] for k in keys}}
 
 
+def _as_flag(e: TransMLAError, what: str, command: str, flags: dict[str, str] | None = None) -> TransMLAError:
+    """An options model's error ("FinetuneConfig: val_tokens: ...") in the command line's terms: the flag that sets
+    the field and the command's help. flags: field -> flag where they are not named alike."""
+    import re
+
+    m = re.match(rf"{what}: (\w+): (.*)", e.problem)
+    if not m:  # a check across fields: its message names them
+        return e
+    field = m.group(1)
+    flag = (flags or {}).get(field, "--" + field.replace("_", "-"))
+    return TransMLAError(f"{flag}: {m.group(2)}", f"pass a valid {flag} (see `transmla {command} --help`).")
+
+
 def convert_options(args) -> ConvertOptions:
     """The options of `transmla convert`: --paper sets the paper's modes, explicit mode flags win."""
     if args.method == "mha2mla":  # its steps are fixed: these flags were dropped without a word
@@ -121,6 +134,13 @@ def convert_options(args) -> ConvertOptions:
                                 "drop them, or convert with --method transmla.")
     base = PAPER_TRANSMLA if args.paper else {k: ConvertOptions.model_fields[k].default for k in PAPER_TRANSMLA}
     mode = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in base.items()}  # args stay as given
+    try:
+        return _convert_options(args, mode)
+    except TransMLAError as e:
+        raise _as_flag(e, "ConvertOptions", "convert", {"balance_kv": "--no-balance-kv"}) from None
+
+
+def _convert_options(args, mode: dict) -> ConvertOptions:
     return ConvertOptions(
         method=args.method, kv_cache_ratio=args.kv_cache_ratio, qk_rope_dim=args.qk_rope_dim,
         kv_lora_rank=args.kv_lora_rank, freqfold=args.freqfold, q_lora_rank=args.q_lora_rank,
@@ -135,7 +155,10 @@ def _bench_counts(flag: str, field: str, text: str, fix: str, **options) -> dict
     """A BENCHMARK=N[,BENCHMARK=N] flag for EvaluationOptions' `field`, validated as the params are (`options`:
     the other fields the check needs); one error naming the flag and its form otherwise."""
     try:
-        counts = {k.strip(): int(v) for k, v in (x.split("=") for x in text.split(",") if x.strip())}
+        pairs = [(k.strip(), int(v)) for k, v in (x.split("=") for x in text.split(",") if x.strip())]
+        counts = dict(pairs)
+        if len(counts) < len(pairs):  # the last one won without a word
+            raise TransMLAError(f"{flag} {text!r} names a benchmark more than once.", fix)
         EvaluationOptions(**options, **{field: counts})
     except TransMLAError as e:
         raise TransMLAError(f"{flag} {text!r}: {e.problem}", fix) from None
@@ -172,14 +195,20 @@ def cmd_eval(args) -> dict:
     check_evaluation(tasks, limit, args.num_fewshot, args.protocol, args.backend, args.tensor_parallel,
                      args.data_parallel, args.parallelize, args.out)
     # its form and names checked beside any limit (limit or 1); a --limits without --limit is refused apart
-    limits = _bench_counts("--limits", "limits", args.limits, "write it as BENCHMARK=N[,BENCHMARK=N], e.g. mmlu=400.",
+    limits = _bench_counts("--limits", "limits", args.limits or "", "write it as BENCHMARK=N[,BENCHMARK=N], e.g. mmlu=400.",
                            limit=limit or 1)
     if limits and limit is None:
         raise TransMLAError("--limits needs --limit: without it every document of every benchmark is scored.",
                             "pass --limit N too (the docs of each benchmark --limits does not name), or drop --limits.")
-    superset = _bench_counts("--superset", "reference_limits", args.superset,
+    superset = _bench_counts("--superset", "reference_limits", args.superset or "",
                              "write it as BENCHMARK=N[,BENCHMARK=N] with N at least the sample's own size, "
                              "e.g. mmlu=1000 with --limit 146.", limit=limit, limits=limits)
+    for flag, counts in (("--limits", limits), ("--superset", superset)):
+        extra = [t for t in counts if t not in tasks]
+        if extra:  # ignored, yet recorded in results.json as if used (a profile's limits may name more: -S tasks)
+            raise TransMLAError(f"{flag} names {', '.join(extra)}, which --tasks {','.join(tasks)} does not run.",
+                                f"add {', '.join(extra)} to --tasks, or drop {'them' if len(extra) > 1 else 'it'} "
+                                f"from {flag}.")
     return evaluate(materialize(args.model, args.cache_dir), tasks=tasks, limit=limit, num_fewshot=args.num_fewshot,
                     batch_size=batch_size, seed=args.seed, dtype=args.dtype, device=args.device,
                     out_dir=args.out, data_dir=args.data_dir, protocol=args.protocol, limits=limits,
@@ -212,12 +241,16 @@ def cmd_finetune(args) -> dict:
 
     from transmla.io.data import load_documents
     from transmla.io.paths import check_output
-    from transmla.training.finetune import (FinetuneConfig, check_mla_type, check_teacher_config, check_training_blocks,
-                                            finetune_on_corpora, pack_corpus)
-    from transmla.io.sources import load_model, load_tokenizer, source_config
+    from transmla.training.finetune import (FinetuneConfig, check_mla_type, check_teacher_config,
+                                            check_teacher_is_not_student, check_teacher_tokenizer,
+                                            check_training_blocks, finetune_on_corpora, pack_corpus)
+    from transmla.io.sources import load_model, load_tokenizer, materialize, source_config
     from transmla.runtime.memory import peak_rss_bytes
 
-    cfg = FinetuneConfig(**{k: getattr(args, k) for k in FinetuneConfig.model_fields})
+    try:
+        cfg = FinetuneConfig(**{k: getattr(args, k) for k in FinetuneConfig.model_fields})
+    except TransMLAError as e:
+        raise _as_flag(e, "FinetuneConfig", "finetune") from None
     if cfg.needs_teacher and not args.teacher:
         name, value = cfg.teacher_setting
         shown = value if isinstance(value, str) else f"{value:g}"
@@ -245,8 +278,11 @@ def cmd_finetune(args) -> dict:
     # satisfy is refused in seconds, named as the flag
     docs = {n: load_documents(n, data_dir_override=args.data_dir, max_documents=args.max_documents) for n in names}
     flag = lambda field: "--" + field.replace("_", "-")  # noqa: E731
-    packed = pack_corpus(load_tokenizer(args.model, args.cache_dir), docs, cfg.seqlen, cfg.val_tokens, cfg.seed,
-                         setting=flag)
+    student_tok = load_tokenizer(args.model, args.cache_dir)
+    if args.teacher:  # tokenizers and folders, still before any weights load
+        check_teacher_tokenizer(student_tok, load_tokenizer(args.teacher, args.cache_dir))
+        check_teacher_is_not_student(materialize(args.model, args.cache_dir), materialize(args.teacher, args.cache_dir))
+    packed = pack_corpus(student_tok, docs, cfg.seqlen, cfg.val_tokens, cfg.seed, setting=flag)
     check_training_blocks(len(packed[0]), cfg, setting=flag)
     device = rank_device(args.device)  # one process of a distributed launch: its own GPU
     model, tok = load_model(args.model, dtype="float32", device=device, cache=args.cache_dir)
@@ -371,8 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tasks", default=",".join(EV["tasks"].default), help="comma list (default all six Table-1 benchmarks)")
     e.add_argument("--limit", type=int, default=EV["limit"].default,
                    help="docs per benchmark (MMLU: in all, stratified by subject), a seeded random subset; default: all")
-    e.add_argument("--limits", default="", help="per-benchmark docs overriding --limit, e.g. mmlu=400")
-    e.add_argument("--superset", default="",
+    e.add_argument("--limits", default=None, help="per-benchmark docs overriding --limit, e.g. mmlu=400")
+    e.add_argument("--superset", default=None,
                    help="score these benchmarks on more docs that include the --limit sample, e.g. mmlu=1000 "
                         "(a reference model: other models' paired differences to it use the shared docs)")
     e.add_argument("--protocol", default=EV["protocol"].default, choices=["paper", "lm_eval"],
@@ -430,6 +466,16 @@ def _stop_on_signals():
             signal.signal(sig, old if old is not None else signal.SIG_DFL)
 
 
+def _no_blank_options(args) -> None:
+    """An option given as "" (an unset shell variable, `--teacher "$T"`) was read as "not given" (--teacher,
+    --data-dir, --cache-dir: the defaults ran without a word) or as the working directory: refused, naming it."""
+    for name, value in vars(args).items():
+        if isinstance(value, str) and not value.strip() and name != "command":
+            flag = "--" + name.replace("_", "-") if name != "source" else "SOURCE"
+            raise TransMLAError(f"{flag} is empty (an unset shell variable?).",
+                                f"give {flag} a value, or leave it out for its default.")
+
+
 def main(argv: list[str] | None = None) -> int:
     import signal
 
@@ -437,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _no_blank_options(args)
         with _stop_on_signals():
             if getattr(args, "device", None) is not None:
                 check_device(args.device)

@@ -388,6 +388,9 @@ class EvaluationOptions(Options):
         bad = [t for t in v if t not in BENCHMARKS]
         if bad:
             raise ValueError(f"unknown benchmarks {bad}; choose from {list(BENCHMARKS)}")
+        twice = sorted({t for t in v if v.count(t) > 1})
+        if twice:  # each was scored once per mention, and reported once
+            raise ValueError(f"tasks names {twice} more than once")
         return v
 
     @field_validator("limits", "reference_limits")

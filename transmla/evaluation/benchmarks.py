@@ -270,6 +270,9 @@ def check_evaluation(tasks, limit: int | None = None, num_fewshot: int = 0, prot
     for t in tasks:
         if t not in TASKS:
             raise TransMLAError(f"Unknown benchmark {t!r}.", f"choose from {', '.join(TASKS)}.")
+    twice = sorted({t for t in tasks if list(tasks).count(t) > 1})
+    if twice:  # each mention was scored (twice the time) and reported once
+        raise TransMLAError(f"The benchmarks {', '.join(twice)} are named more than once.", "name each benchmark once.")
     if protocol not in PROTOCOLS:
         raise TransMLAError(f"Unknown evaluation protocol {protocol!r}.", f"choose from {', '.join(PROTOCOLS)}.")
     if limit is not None and limit < 1:
@@ -298,6 +301,13 @@ def _check_backend(backend: str, tensor_parallel: int, data_parallel: int, paral
         raise TransMLAError(f"Unknown evaluation backend {backend!r}.", f"choose from {', '.join(BACKENDS)}.")
     EvaluationOptions(backend=backend, tensor_parallel=tensor_parallel, data_parallel=data_parallel,
                       parallelize=parallelize)
+    if parallelize:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus < 2:  # HF's device map then offloads to ./offload on disk: the same scores, slower, a stray folder
+            raise TransMLAError(f"parallelize splits one model over the visible GPUs; this machine has {gpus}.",
+                                "drop --parallelize (parallelize: false) here; use it on a machine with several GPUs.")
     if backend == "vllm":
         from transmla.runtime.vllm_env import venv_dir, vllm_python
 

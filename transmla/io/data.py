@@ -71,12 +71,13 @@ def spec(name: str) -> DatasetSpec:
     return REGISTRY[name]
 
 
-def text_spec(name: str) -> DatasetSpec:
+def text_spec(name: str, train: bool = False) -> DatasetSpec:
     """spec(name) of a data set to be read as text (calibration, perplexity, fine-tuning corpora): a benchmark's
-    rows (question, choices) are refused, naming the text corpora."""
+    rows (question, choices) are refused, naming the text corpora (train: only those one may train on)."""
     s = spec(name)
     if s.text_field is None:
-        texts = ", ".join(sorted(k for k, v in REGISTRY.items() if v.text_field is not None))
+        texts = ", ".join(sorted(k for k, v in REGISTRY.items()
+                                 if v.text_field is not None and (v.hub_split == "train" or not train)))
         raise TransMLAError(f"{name} is a benchmark (rows of questions and choices), not a text corpus.",
                             f"name a text corpus: {texts}.")
     return s
@@ -85,7 +86,7 @@ def text_spec(name: str) -> DatasetSpec:
 def training_spec(name: str) -> DatasetSpec:
     """text_spec(name) of a set to train on (fine-tuning corpora): an evaluation split is refused, since every
     perplexity measured on it afterwards would score the run's own training text."""
-    s = text_spec(name)
+    s = text_spec(name, train=True)  # the corpora offered are the ones training_spec accepts
     if s.hub_split != "train":
         train = ", ".join(sorted(k for k, v in REGISTRY.items() if v.text_field is not None and v.hub_split == "train"))
         raise TransMLAError(f"{name} is an evaluation split ({s.hub_split}): the perplexity measured on it after "

@@ -326,6 +326,38 @@ def check_teacher_config(student: dict, teacher: dict, cfg: FinetuneConfig | Non
                 _layer_mismatch(what, s[key], t[key])
 
 
+def check_teacher_tokenizer(student_tok, teacher_tok) -> None:
+    """Distillation compares the two models' probabilities token id by token id: the same vocabulary size is not
+    enough, the ids must mean the same strings (a teacher with another tokenizer of that size ran, exit 0)."""
+    s, t = student_tok.get_vocab(), teacher_tok.get_vocab()
+    if s != t:
+        differ = sorted(set(s.items()) ^ set(t.items()), key=lambda kv: kv[1])[:1]
+        example = f" (e.g. id {differ[0][1]} is {differ[0][0]!r} in one and not the other)" if differ else ""
+        raise TransMLAError(f"The teacher's tokenizer is not the student's{example}: the same token ids would mean "
+                            "other strings.", "pass the original model the student was converted from as --teacher.")
+
+
+def check_teacher_is_not_student(student_dir, teacher_dir) -> None:
+    """A teacher that is the student itself (or a copy) has nothing to teach: its KL is 0 from the first step, and
+    the run trained on nothing and exited 0. Same folder, or the same config and weights."""
+    from pathlib import Path
+
+    from transmla.io.sources import content_hash
+
+    s, t = Path(student_dir).resolve(), Path(teacher_dir).resolve()
+    same = s == t
+    if not same and (s / "config.json").is_file() and (t / "config.json").is_file():
+        import json
+
+        configs = [json.loads((d / "config.json").read_text()) for d in (s, t)]
+        # only where the configs agree are the weights hashed (the normal teacher, the original, differs at once)
+        same = configs[0] == configs[1] and content_hash(s) == content_hash(t)
+    if same:
+        raise TransMLAError(f"The teacher {teacher_dir} is the student itself (same config and weights): it has "
+                            "nothing to teach (its KL to the student is 0).",
+                            "pass the original model the student was converted from as --teacher.")
+
+
 def _layer_mismatch(what: str, student, teacher):
     raise TransMLAError(
         f"The teacher's {what} ({teacher}) is not the student's ({student}): per-layer attention fitting "
