@@ -365,7 +365,7 @@ def test_finetune_refuses_out_under_a_file(work, capsys, no_weights):
                                           # 0 meant "every doc": an hours-long run where -1 was refused
                                           (["--limit", "0"], "--limit 0 must be a positive"),
                                           # scored twice (twice the time), reported once
-                                          (["--tasks", "piqa,piqa"], "piqa are named more than once"),
+                                          (["--tasks", "piqa,piqa"], "tasks names ['piqa'] more than once"),
                                           # ignored, yet recorded in results.json as if used
                                           (["--tasks", "piqa", "--limit", "4", "--limits", "mmlu=2"],
                                            "--limits names mmlu, which --tasks piqa does not run"),

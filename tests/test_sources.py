@@ -543,7 +543,7 @@ _BROKEN = [  # (how, the problem, a phrase of the fix)
     ("config transformers refuses", "config.json does not load in transformers .*KeyError.*factor", "correct the field"),
     ("odd head_dim", "config.json does not load in transformers .*RoPE requires an even rotary dimension", "correct"),
     ("no KV heads", "num_key_value_heads is 0, not a positive whole number", "correct it in config.json"),
-    ("config with rope_theta 0", "rope_theta is 0: RoPE's base must be a positive number", "correct it in config.json"),
+    ("config with rope_theta 0", "rope_theta is 0, not a number > 0", "correct it in config.json"),
     ("config with a negative eps", "rms_norm_eps is -1e-06, not a number >= 0", "correct it in config.json"),
     ("missing shard", "missing weight shards .* model-00002-of-00002.safetensors", "copy or download the missing"),
 ]

@@ -99,36 +99,33 @@ def check_counts(cfg) -> None:
                                 "correct it in config.json (from the model's original release).")
 
 
+def _check_number(name: str, v, floor: str) -> None:
+    """A config value, when present, must be a finite number above 0 (floor "> 0") or at least 0 (">= 0")."""
+    import math
+
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > 0 or floor == ">= 0"
+                                                                                          and v == 0)
+    if v is not None and not ok:
+        raise TransMLAError(f"The model config's {name} is {v!r}, not a number {floor}.",
+                            "correct it in config.json (from the model's original release).")
+
+
 def check_values(cfg) -> None:
     """Refuse a RoPE base or norm eps no model can have: they give NaN cos/sin (theta <= 0) or NaN norms
     (eps < 0), which surfaced as an SVD failure after the whole calibration."""
-    import math
-
     per_type = _get(cfg, "rope_parameters", None)
     nested = isinstance(per_type, dict) and all(isinstance(v, dict) for v in per_type.values()) and per_type
     for where, rp in (per_type.items() if nested else [("", rope_parameters(cfg))]):  # Gemma 3: one per layer type
-        theta = rp.get("rope_theta")
-        if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float))
-                                  or not math.isfinite(theta) or theta <= 0):
-            raise TransMLAError(f"The model config's rope_theta{f' ({where})' if where else ''} is {theta!r}: "
-                                "RoPE's base must be a positive number.",
-                                "correct it in config.json (from the model's original release).")
-    local = _get(cfg, "rope_local_base_freq", None)  # Gemma 3's sliding layers, in configs before transformers 5
-    if local is not None and (isinstance(local, bool) or not isinstance(local, (int, float))
-                              or not math.isfinite(local) or local <= 0):
-        raise TransMLAError(f"The model config's rope_local_base_freq is {local!r}: RoPE's base must be a positive number.",
-                            "correct it in config.json (from the model's original release).")
+        _check_number(f"rope_theta{f' ({where})' if where else ''}", rp.get("rope_theta"), "> 0")
+    # Gemma 3's sliding layers, in configs before transformers 5
+    _check_number("rope_local_base_freq", _get(cfg, "rope_local_base_freq", None), "> 0")
+    _check_number("rms_norm_eps", _get(cfg, "rms_norm_eps", None), ">= 0")
     if _get(cfg, "model_type", None) == "deepseek_v3":  # MLA: every query head reads the one latent, as its own head
         h, g = _get(cfg, "num_attention_heads", None), _get(cfg, "num_key_value_heads", None)
         if h is not None and g is not None and g != h:  # trained and saved fine; every forward then failed on shapes
             raise TransMLAError(f"The DeepSeek-V3 config's num_key_value_heads is {g}, not its num_attention_heads {h} "
                                 "(MLA expands the latent to one key and value per query head).",
                                 f"set num_key_value_heads to {h} in config.json (what the export wrote).")
-    for key in ("rms_norm_eps",):
-        v = _get(cfg, key, None)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
-            raise TransMLAError(f"The model config's {key} is {v!r}, not a number >= 0.",
-                                "correct it in config.json (from the model's original release).")
 
 
 def check_config(cfg) -> None:

@@ -107,17 +107,14 @@ def cmd_convert(args) -> dict:
     return {"out": str(args.out), **{k: meta[k] for k in keys}}
 
 
-def _as_flag(e: TransMLAError, what: str, command: str, flags: dict[str, str] | None = None) -> TransMLAError:
-    """An options model's error ("FinetuneConfig: val_tokens: ...") in the command line's terms: the flag that sets
-    the field and the command's help. flags: field -> flag where they are not named alike."""
-    import re
-
-    m = re.match(rf"{what}: (\w+): (.*)", e.problem)
-    if not m:  # a check across fields: its message names them
+def _as_flag(e: TransMLAError, command: str, flags: dict[str, str] | None = None) -> TransMLAError:
+    """An options model's error (config.options_error: "FinetuneConfig: val_tokens: ...") in the command line's
+    terms: the flag that sets the field and the command's help. flags: field -> flag where they are not named alike."""
+    field = getattr(e, "field", None)
+    if field is None:  # a check across fields: its message names them
         return e
-    field = m.group(1)
     flag = (flags or {}).get(field, "--" + field.replace("_", "-"))
-    return TransMLAError(f"{flag}: {m.group(2)}", f"pass a valid {flag} (see `transmla {command} --help`).")
+    return TransMLAError(f"{flag}: {e.reason}", f"pass a valid {flag} (see `transmla {command} --help`).")
 
 
 def convert_options(args) -> ConvertOptions:
@@ -137,7 +134,7 @@ def convert_options(args) -> ConvertOptions:
     try:
         return _convert_options(args, mode)
     except TransMLAError as e:
-        raise _as_flag(e, "ConvertOptions", "convert", {"balance_kv": "--no-balance-kv"}) from None
+        raise _as_flag(e, "convert", {"balance_kv": "--no-balance-kv"}) from None
 
 
 def _convert_options(args, mode: dict) -> ConvertOptions:
@@ -244,13 +241,13 @@ def cmd_finetune(args) -> dict:
     from transmla.training.finetune import (FinetuneConfig, check_mla_type, check_teacher_config,
                                             check_teacher_is_not_student, check_teacher_tokenizer,
                                             check_training_blocks, finetune_on_corpora, pack_corpus)
-    from transmla.io.sources import load_model, load_tokenizer, materialize, source_config
+    from transmla.io.sources import load_model, load_tokenizer, source_config
     from transmla.runtime.memory import peak_rss_bytes
 
     try:
         cfg = FinetuneConfig(**{k: getattr(args, k) for k in FinetuneConfig.model_fields})
     except TransMLAError as e:
-        raise _as_flag(e, "FinetuneConfig", "finetune") from None
+        raise _as_flag(e, "finetune") from None
     if cfg.needs_teacher and not args.teacher:
         name, value = cfg.teacher_setting
         shown = value if isinstance(value, str) else f"{value:g}"
@@ -281,7 +278,7 @@ def cmd_finetune(args) -> dict:
     student_tok = load_tokenizer(args.model, args.cache_dir)
     if args.teacher:  # tokenizers and folders, still before any weights load
         check_teacher_tokenizer(student_tok, load_tokenizer(args.teacher, args.cache_dir))
-        check_teacher_is_not_student(materialize(args.model, args.cache_dir), materialize(args.teacher, args.cache_dir))
+        check_teacher_is_not_student(args.model, args.teacher)
     packed = pack_corpus(student_tok, docs, cfg.seqlen, cfg.val_tokens, cfg.seed, setting=flag)
     check_training_blocks(len(packed[0]), cfg, setting=flag)
     device = rank_device(args.device)  # one process of a distributed launch: its own GPU

@@ -88,8 +88,10 @@ def options_error(e: ValidationError, what: str) -> TransMLAError:
     if not first["loc"]:  # a check across fields: its message names them; the input is every option
         return TransMLAError(f"{what}: {msg}.", "change one of the options it names (see `transmla --help`).")
     where = ".".join(str(x) for x in first["loc"])
-    return TransMLAError(f"{what}: {where}: {msg} (got {first.get('input')!r}).",
-                         f"set a valid `{where}` (see `transmla --help` or transmla/config.py).")
+    err = TransMLAError(f"{what}: {where}: {msg} (got {first.get('input')!r}).",
+                        f"set a valid `{where}` (see `transmla --help` or transmla/config.py).")
+    err.field, err.reason = where, f"{msg} (got {first.get('input')!r})"  # for a caller that names it as a flag
+    return err
 
 
 def _freqfold(v: int) -> int:

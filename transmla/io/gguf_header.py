@@ -115,7 +115,7 @@ def read_metadata(paths: str | os.PathLike | list) -> dict:
             extents.append((_unpack(s, "I"), _unpack(s, "Q")))  # (ggml type, offset into the data section)
         meta["__tensor_names__"] = names
         meta["__tensor_shapes__"] = shapes
-        _check_data_extent(paths, meta, s.total - s.left, extents)
+        _check_data_extent(paths, s.total, meta, s.total - s.left, extents)
         return meta
     except (EOFError, struct.error, ValueError) as e:
         raise TransMLAError(f"Could not read the GGUF header of {paths[0]} ({e or 'truncated'}).",
@@ -124,7 +124,7 @@ def read_metadata(paths: str | os.PathLike | list) -> dict:
         s.close()
 
 
-def _check_data_extent(paths: list, meta: dict, header_end: int, extents: list[tuple[int, int]]) -> None:
+def _check_data_extent(paths: list, total: int, meta: dict, header_end: int, extents: list[tuple[int, int]]) -> None:
     """Refuse a file (or set of parts) that ends before its last tensor's data: a cut download passed the
     header, so a dry run called it fine and the load failed deep inside transformers' GGUF reader."""
     import math
@@ -144,7 +144,6 @@ def _check_data_extent(paths: list, meta: dict, header_end: int, extents: list[t
         end = start + offset + math.prod(shape) // block * size
         if end > need:
             need, last = end, name
-    total = sum(os.path.getsize(p) for p in paths)
     if need > total:
         what = f"{paths[0]}" if len(paths) == 1 else f"The GGUF split in {len(paths)} parts ({paths[0]} ... {paths[-1]})"
         raise TransMLAError(f"{what} is truncated: its tensors need {need:,} bytes (up to the end of {last}), "

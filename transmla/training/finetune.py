@@ -337,23 +337,22 @@ def check_teacher_tokenizer(student_tok, teacher_tok) -> None:
                             "other strings.", "pass the original model the student was converted from as --teacher.")
 
 
-def check_teacher_is_not_student(student_dir, teacher_dir) -> None:
+def check_teacher_is_not_student(student: str, teacher: str) -> None:
     """A teacher that is the student itself (or a copy) has nothing to teach: its KL is 0 from the first step, and
-    the run trained on nothing and exited 0. Same folder, or the same config and weights."""
+    the run trained on nothing and exited 0. The same source, or two folders with the same config and weights (a
+    converted student is a folder; a GGUF or catalog teacher cannot be one)."""
     from pathlib import Path
 
-    from transmla.io.sources import content_hash
+    from transmla.io.sources import content_hash, parse_source, source_config
 
-    s, t = Path(student_dir).resolve(), Path(teacher_dir).resolve()
-    same = s == t
-    if not same and (s / "config.json").is_file() and (t / "config.json").is_file():
-        import json
-
-        configs = [json.loads((d / "config.json").read_text()) for d in (s, t)]
+    s, t = parse_source(student), parse_source(teacher)
+    same = s.text == t.text
+    if not same and s.kind == t.kind == "dir":
+        a, b = Path(s.location).resolve(), Path(t.location).resolve()
         # only where the configs agree are the weights hashed (the normal teacher, the original, differs at once)
-        same = configs[0] == configs[1] and content_hash(s) == content_hash(t)
+        same = a == b or (source_config(s) == source_config(t) and content_hash(a) == content_hash(b))
     if same:
-        raise TransMLAError(f"The teacher {teacher_dir} is the student itself (same config and weights): it has "
+        raise TransMLAError(f"The teacher {teacher} is the student itself (same config and weights): it has "
                             "nothing to teach (its KL to the student is 0).",
                             "pass the original model the student was converted from as --teacher.")
 
