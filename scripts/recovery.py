@@ -37,7 +37,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from transmla.cli import build_parser  # noqa: E402
 from transmla.config import FINETUNE_CORPORA, FinetuneConfig  # noqa: E402
+from transmla.errors import TransMLAError  # noqa: E402
 from transmla.evaluation.perplexity import perplexity, tokenize_corpus  # noqa: E402
 from transmla.io.data import load_texts  # noqa: E402
 from transmla.io.paths import write_text_atomic  # noqa: E402
@@ -145,7 +147,16 @@ def main() -> None:
     runs = args.runs.split(",")
     if bad := [r for r in runs if r not in RUNS]:
         ap.error(f"unknown runs {bad}: choose from {list(RUNS)}")
-    # bad input is refused before the original model's perplexity (minutes)
+    # bad input is refused before the original model's perplexity (minutes): each run's finetune options too,
+    # else a flag one objective refuses (--kd-weight with lm) would fail after the runs before it (hours)
+    for name in runs:
+        objective, _, _, extra = RUNS[name]
+        flags = build_parser().parse_args(["finetune", "--model", "-", "--out", "-", "--objective", objective,
+                                           *extra, *args.finetune_args])
+        try:
+            FinetuneConfig(**{k: getattr(flags, k) for k in FinetuneConfig.model_fields})
+        except TransMLAError as e:
+            ap.error(f"run {name} (--objective {objective} {' '.join(args.finetune_args)}): {e}")
     if not 0 < args.budget <= 1:
         ap.error(f"--budget {args.budget}: the fraction of the KV cache kept must be in (0, 1]")
     if args.checkpoint and not (Path(args.checkpoint) / "config.json").is_file():

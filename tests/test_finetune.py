@@ -371,7 +371,7 @@ def test_the_validation_kl_is_at_temperature_one_whatever_the_training_temperatu
     the training temperature (which made it 460x larger at tau 4 for the same model)."""
     model, _ = load_model(str(cut))
     teacher, _ = load_model(str(sharp))
-    before = [finetune(load_model(str(cut))[0], blocks[0], blocks[1], _cfg(max_tokens=4 * 64, kd_temperature=t),
+    before = [finetune(load_model(str(cut))[0], blocks[0], blocks[1], _cfg(objective="kd", max_tokens=4 * 64, kd_temperature=t),
                        str(tmp_path / f"w{t}"), teacher=teacher)["val_kd_before"] for t in (1.0, 4.0)]
     assert before[0] == pytest.approx(before[1], rel=1e-6)
 
@@ -411,6 +411,17 @@ def test_bad_config_and_unconverted_model(tiny_model_dir, blocks, tmp_path):
         _cfg(mode="lora")
     with pytest.raises(TransMLAError, match="float16"):
         _cfg(dtype="float16")
+    # a setting the run never reads is refused, not dropped: kd alone trained on kd whatever kd_weight said
+    for bad, needs in ((dict(objective="kd", kd_weight=3.0), "objective kd\\+lm"),
+                       (dict(objective="lm", kd_temperature=2.0), "objective kd or kd\\+lm"),
+                       (dict(layerwise_lr=1e-2), "layerwise_epochs > 0"),
+                       (dict(layerwise_batch_size=2), "layerwise_epochs > 0"),
+                       (dict(layerwise_schedule="cosine"), "layerwise_epochs > 0"),
+                       (dict(objective="kd+lm", kd_weight=0.0), "use objective lm")):
+        with pytest.raises(TransMLAError, match=needs):
+            _cfg(**bad)
+    assert _cfg(objective="kd+lm", kd_weight=3.0, kd_temperature=2.0).kd_weight == 3.0  # read there: kept
+    assert _cfg(layerwise_epochs=1.0, layerwise_lr=1e-2, layerwise_schedule="cosine").layerwise_lr == 1e-2
     original, _ = load_model(str(tiny_model_dir))
     with pytest.raises(TransMLAError, match="convert the model first"):
         finetune(original, blocks[0], blocks[1], _cfg(), str(tmp_path))

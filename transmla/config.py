@@ -318,6 +318,25 @@ class FinetuneConfig(Options):
                              f"run with CUDA_VISIBLE_DEVICES={v[5:]} and device cuda")
         return v
 
+    @model_validator(mode="after")
+    def _settings_used(self):
+        # a setting changed from its default that the run's objective never reads would be dropped without a word
+        # (kd_weight with kd: the run trains on kd alone, whatever it says)
+        layerwise = (self.layerwise_epochs > 0, "layerwise_epochs > 0")
+        used_when = {"kd_weight": (self.objective == "kd+lm", "objective kd+lm"),
+                     "kd_temperature": (self.objective != "lm", "objective kd or kd+lm"),
+                     "layerwise_lr": layerwise, "layerwise_batch_size": layerwise, "layerwise_schedule": layerwise}
+        for name, (used, needs) in used_when.items():
+            value = getattr(self, name)
+            if not used and value != type(self).model_fields[name].default:
+                raise ValueError(f"{name} {value} is only read with {needs}; this run has objective "
+                                 f"{self.objective}, layerwise_epochs {self.layerwise_epochs:g}: set {needs}, or "
+                                 f"leave {name} at its default ({type(self).model_fields[name].default})")
+        if self.objective == "kd+lm" and self.kd_weight == 0:
+            raise ValueError("objective kd+lm with kd_weight 0 trains on lm alone (and loads the teacher for "
+                             "nothing): use objective lm, or a kd_weight > 0")
+        return self
+
     @property
     def needs_teacher(self) -> bool:
         return self.teacher_setting is not None
