@@ -952,3 +952,21 @@ def test_a_catalog_models_recorded_header_is_its_real_config(name):
         got = real_theta if key == "rope_theta" else real[key]
         assert got == value, (key, got, value)
     assert real["model_type"] == CATALOG[name].model_type
+
+
+def test_a_model_cache_that_cannot_be_a_folder_is_refused_naming_its_setting(tmp_path, monkeypatch, capsys):
+    """A file at --cache-dir (or on its way) failed with FileExistsError / NotADirectoryError from mkdir."""
+    from transmla.cli import main
+    from transmla.io.paths import CACHE_DIR_ENV, cache_dir
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for path in (afile, afile / "sub"):
+        with pytest.raises(TransMLAError, match="cannot be made a folder.*--cache-dir"):
+            cache_dir(path)
+    monkeypatch.setenv(CACHE_DIR_ENV, str(afile))
+    with pytest.raises(TransMLAError, match=f"\\${CACHE_DIR_ENV} at a writable folder"):
+        cache_dir(None)
+    assert main(["fetch-model", "smollm2-135m", "--out", str(tmp_path / "m")]) == 2
+    assert "cannot be made a folder" in capsys.readouterr().err and not (tmp_path / "m").exists()
+    assert cache_dir(tmp_path / "ok") == (tmp_path / "ok").resolve() and (tmp_path / "ok").is_dir()

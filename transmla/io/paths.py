@@ -30,14 +30,20 @@ def data_dir(override: str | os.PathLike | None = None) -> Path:
 
 def cache_dir(override: str | os.PathLike | None = None) -> Path:
     """Cache for materialised models (GGUF -> safetensors). Default `~/.cache/transmla`."""
+    from transmla.errors import TransMLAError
+
     if override:
-        root = Path(override)
+        root, setting = Path(override), "--cache-dir"
     elif os.environ.get(CACHE_DIR_ENV):
-        root = Path(os.environ[CACHE_DIR_ENV])
+        root, setting = Path(os.environ[CACHE_DIR_ENV]), f"${CACHE_DIR_ENV}"
     else:
-        root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "transmla"
+        root, setting = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "transmla", "$XDG_CACHE_HOME"
     root = root.expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file there or on the way, no permission: a traceback from deep in a load otherwise
+        raise TransMLAError(f"the model cache {root} cannot be made a folder ({e.strerror}).",
+                            f"point {setting} at a writable folder.") from None
     return root
 
 
