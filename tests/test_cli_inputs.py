@@ -122,6 +122,18 @@ def test_dry_run_accepts_possible_q_lora_rank(llama_dir, work, capsys, no_weight
     assert json.loads(capsys.readouterr().out)["kv_lora_rank"] > 0
 
 
+@pytest.mark.parametrize("dry", [True, False])
+def test_lossless_refuses_a_q_lora_rank_that_cuts_the_queries(llama_dir, work, capsys, no_weights, dry):
+    """--lossless promises the original model; a q_lora_rank under the queries' rank (64 here) cut them and the
+    export differed by 1e-3 in log-probs without a word. The full rank is exact (tests/test_convert.py) and passes."""
+    root, common = work
+    _refused(["convert", "--model", str(llama_dir), "--out", str(root / "o"), "--lossless", "--q-lora-rank", "48",
+              *common] + (["--dry-run"] if dry else []), capsys, root, "--lossless with --q-lora-rank 48",
+             "set it to 64")
+    assert main(["convert", "--model", str(llama_dir), "--out", str(root / "o"), "--lossless", "--q-lora-rank", "64",
+                 "--dry-run", *common]) == 0
+
+
 @pytest.mark.parametrize("load", ["model", "layers"])
 def test_convert_refuses_impossible_q_lora_rank_before_loading(llama_dir, work, capsys, no_weights, load):
     root, common = work
