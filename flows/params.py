@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from transmla.config import (FINETUNE_CORPORA, FREQFOLDS, CalibrationOptions, ConvertOptions, EvaluationOptions,
                              ExportOptions, FinetuneConfig, PAPER_TRANSMLA,
-                             TransMLAOptions, no_bool_numbers)
+                             TransMLAOptions, no_bool_numbers, no_repeats)
 from transmla.errors import TransMLAError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +27,7 @@ DEFAULT_PARAMS = REPO_ROOT / "params" / "default.yaml"
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # a float is finite: inf passed gt=0
     _no_bools = field_validator("*", mode="before")(no_bool_numbers)  # YAML's `yes` is no number
+    _no_repeats = field_validator("*")(no_repeats)
 
 
 class MHA2MLAParams(Strict):
@@ -48,11 +49,19 @@ class MethodsParams(Strict):
     """Options of each row: `transmla` is the paper's TransMLA (parallel calibration, no refit);
     `transmla-refit` calibrates layer by layer, in attention's metric, with the output refit (W_UV and o_proj)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
-
     transmla: TransMLAOptions = TransMLAOptions(**PAPER_TRANSMLA)
     mha2mla: MHA2MLAParams = MHA2MLAParams()
     transmla_refit: TransMLAOptions = Field(TransMLAOptions(), alias="transmla-refit")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _row_spelling(cls, v):
+        # the row is named transmla-refit everywhere (dvc.yaml tracks methods.transmla-refit): the Python field's
+        # spelling loaded here and DVC then stopped, at the first stage that reads the row
+        if isinstance(v, dict) and "transmla_refit" in v:
+            raise ValueError("methods.transmla_refit: the row is spelled transmla-refit (as pipeline.methods and "
+                             "dvc.yaml name it)")
+        return v
 
     @field_validator("transmla", mode="before")
     @classmethod
@@ -292,6 +301,9 @@ class NightlyParams(Strict):
     @field_validator("watch", mode="before")
     @classmethod
     def _entries(cls, v):
+        if v is not None and not isinstance(v, (list, tuple)):  # a string alone was read one character an entry
+            raise ValueError(f"watch is a list of entries, got {v!r}: write each on its own `- ` line "
+                             "(or [a, b] inline)")
         # a mapping is a query: report its own error, not "should be a valid string"
         out = []
         for i, e in enumerate(v or ()):

@@ -440,6 +440,13 @@ def test_finetune_refuses_unknown_corpus_before_loading(work, capsys, no_weights
              capsys, root, "--corpora nosuch", "Unknown data set 'nosuch'", "wikitext2-train")
 
 
+def test_finetune_refuses_a_corpus_named_twice_before_loading(work, capsys, no_weights):
+    """Its documents were packed twice, so copies of training articles landed in the validation blocks."""
+    root, common = work
+    _refused(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora",
+              "c4-demo,wiki-demo,c4-demo", *common], capsys, root, "--corpora names ['c4-demo'] more than once")
+
+
 @pytest.mark.parametrize("corpus, words", [("arc_easy", "is a benchmark"), ("wikitext2-test", "is an evaluation split")])
 def test_finetune_refuses_a_benchmark_or_test_split_as_a_corpus_before_loading(work, capsys, no_weights, corpus, words):
     root, common = work

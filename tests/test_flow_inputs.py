@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -200,6 +201,35 @@ def test_override_that_is_not_yaml_is_one_error():
 def test_cli_override_that_is_not_yaml(tmp_path):
     r = _flow_cli(tmp_path, "calibrate", "--model", "tiny", "-S", "evaluation.limit=[")
     _one_error_line(r, "evaluation.limit", "not YAML")
+
+
+@pytest.mark.parametrize("override, words", [
+    # every row twice in Table 1; DVC merged the duplicate stages without a word
+    ({"pipeline.models": ["smollm2-135m", "smollm2-135m"]}, "pipeline.models: Value error, models names"),
+    ({"pipeline.methods": ["transmla", "transmla"]}, "methods names ['transmla'] more than once"),
+    ({"finetune.corpora": ["c4-demo", "c4-demo"]}, "corpora names ['c4-demo'] more than once"),
+    ({"throughput.contexts": [512, 512]}, "contexts names [512] more than once"),
+    ({"nightly.methods": ["transmla-refit", "transmla-refit"]}, "nightly.methods"),
+    # a string alone was read as one watch entry per character: a dozen unresolved rows each night
+    ({"nightly.watch": "smollm2-135m"}, "watch is a list of entries"),
+    ({"nightly.watch": {"hub": {"author": "Qwen"}}}, "watch is a list of entries"),
+    # the field's Python spelling loaded, and dvc repro stopped at the first stage tracking methods.transmla-refit
+    ({"methods.transmla_refit": {"freqfold": 2}}, "the row is spelled transmla-refit"),
+])
+def test_profile_lists_and_spellings_that_would_run_wrong_are_refused(override, words):
+    from flows.params import load_profile
+
+    with pytest.raises(TransMLAError, match=re.escape(words)):
+        load_profile(DEFAULT, override)
+
+
+def test_profile_lists_as_written_still_load():
+    from flows.params import load_profile
+
+    p = load_profile(DEFAULT, {"nightly.watch": ["smollm2-135m", {"hub": {"author": "Qwen"}}],
+                               "methods.transmla-refit": {"freqfold": 2}})
+    assert p.nightly.watch[0] == "smollm2-135m" and p.nightly.watch[1].hub.author == "Qwen"
+    assert p.methods.transmla_refit.freqfold == 2
 
 
 def test_bad_override_value_names_the_option():

@@ -220,6 +220,9 @@ def _check_corpora(names: list[str], data_dir, max_documents: int | None = None)
 
     if not names:
         raise TransMLAError("--corpora names no data set.", f"pass e.g. --corpora {','.join(FINETUNE_CORPORA)}.")
+    twice = [n for i, n in enumerate(names) if n in names[:i]]
+    if twice:  # its documents were packed twice: the same articles in training and validation blocks
+        raise TransMLAError(f"--corpora names {twice} more than once.", "name each corpus once.")
     if max_documents is not None and max_documents < 1:
         raise TransMLAError(f"--max-documents {max_documents} is not a positive number of documents.",
                             "pass --max-documents N with N >= 1, or leave it out to read every document.")

@@ -61,11 +61,22 @@ def no_bool_numbers(cls, v, info):
     return v
 
 
+def no_repeats(cls, v, info):
+    """An after-validator for every field: a list naming one thing twice is refused. Each mention was run
+    (and reported) once more: a model twice in pipeline.models gave Table 1 every row twice."""
+    if isinstance(v, (list, tuple)):
+        twice = [x for i, x in enumerate(v) if x in v[:i]]
+        if twice:
+            raise ValueError(f"{info.field_name} names {twice} more than once")
+    return v
+
+
 class Options(BaseModel):
     """Frozen, no unknown keys; direct construction reports bad values as one TransMLAError."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # a float is finite: inf passed gt=0
     _no_bools = field_validator("*", mode="before")(no_bool_numbers)
+    _no_repeats = field_validator("*")(no_repeats)
 
     def __init__(self, **data):
         try:
@@ -409,10 +420,7 @@ class EvaluationOptions(Options):
         bad = [t for t in v if t not in BENCHMARKS]
         if bad:
             raise ValueError(f"unknown benchmarks {bad}; choose from {list(BENCHMARKS)}")
-        twice = sorted({t for t in v if v.count(t) > 1})
-        if twice:  # each was scored once per mention, and reported once
-            raise ValueError(f"tasks names {twice} more than once")
-        return v
+        return v  # twice: refused as every list is (no_repeats)
 
     @field_validator("limits", "reference_limits")
     @classmethod
