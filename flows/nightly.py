@@ -74,11 +74,14 @@ def release_dir(release_id: str) -> str:
     return safe if len(safe) <= 60 and safe == rid else f"{safe[:40]}-{hashlib.sha256(rid.encode()).hexdigest()[:12]}"
 
 
-def _variant(profile, rel: dict, model_ref: dict, original: dict, method: str, budget: float, root: Path) -> dict:
-    """Convert + evaluate one (release, method, budget) and record it (ledger, metrics, MLflow)."""
+def _variant(profile, rel: dict, model_ref: dict, original: dict, method: str, budget: float, root: Path,
+             key: str) -> dict:
+    """Convert + evaluate one (release, method, budget) and record it (ledger, metrics, MLflow). key: the ledger
+    key, in the folder's name: a night under other options or code writes a folder of its own, so the checkpoint an
+    earlier ledger entry names is never replaced (going back to those options skipped onto the other's weights)."""
     name = parse_source(rel["source"]).slug
     o = profile.convert_options(method, budget)
-    out = root / name / release_dir(rel["release_id"]) / layout.variant(method, budget)
+    out = root / name / release_dir(rel["release_id"]) / f"{layout.variant(method, budget)}-{key[:12]}"
     if (out / "model").exists():  # an interrupted earlier night: its steps are cached
         shutil.rmtree(out / "model")
     ckpt = converted(profile, model_ref, o, str(out / "model"))
@@ -140,7 +143,10 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                     if model_ref is None and setup_error is None:
                         try:
                             ref = resolve_model(rel["source"])  # fetches exactly this revision / version
-                            ev = evaluate_ref(profile, ref, reference=True)
+                            # the converted variants' own sample, so the two averages are over the same documents
+                            # (reference=True scored the original on reference_limits' superset: 1000 MMLU
+                            # documents against the converted model's 146)
+                            ev = evaluate_ref(profile, ref)
                             original = {"ppl": ev["ppl"]["ppl"], "average": ev["benchmarks"]["average"]}
                             model_ref = ref  # only now: a variant never runs without its reference numbers
                         except Exception as e:  # noqa: BLE001  (one model's failure never stops the others)
@@ -150,7 +156,7 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                         records.append({**rec, "status": "failed", "reason": setup_error})
                         continue
                     try:  # one variant's failure never stops the others
-                        done = _variant(profile, rel, model_ref, original, method, budget, root)
+                        done = _variant(profile, rel, model_ref, original, method, budget, root, key)
                     except Exception as e:  # noqa: BLE001
                         log.error(f"{rel['source']} {method} {budget}: failed: {one_line(e)}")
                         records.append({**rec, "status": "failed", "reason": one_line(e)})
@@ -167,7 +173,7 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                     log.info(f"{rel['source']} {method} {budget}: converted -> {done['checkpoint']}, ppl {done['ppl']:.2f}")
                     records.append({**rec, "status": "converted", **done})
     report = Path(night.report)  # relative: to the working directory, as artifacts/ and reports/ are
-    write_text_atomic(report, render_report(records, seen))
+    write_text_atomic(report, render_report(records, seen, profile.evaluation))
     log.info(f"report: {report}")
     return records
 
@@ -180,12 +186,21 @@ def _pct(x) -> str:
     return "" if x is None else f"{100 * x:.1f}"
 
 
-def render_report(records: list[dict], seen: str) -> str:
-    """The night's report: one row per release seen (and per method x budget where it was converted)."""
+def protocol_text(ev) -> str:
+    """What the report's numbers are, from the profile's evaluation section (EvaluationOptions)."""
+    tokens = f"first {ev.ppl_max_tokens:,} tokens" if ev.ppl_max_tokens else "every token"
+    sample = "every document" if ev.limit is None else f"{ev.limit} documents each" + "".join(
+        f", {t} {n}" for t, n in sorted(ev.limits.items()) if t in ev.tasks)
+    return (f"Perplexity: {ev.ppl_dataset} ({tokens}, {ev.ppl_seqlen}-token windows); average: "
+            f"{', '.join(ev.tasks)}, % ({sample}; the original on the same documents as the converted model).")
+
+
+def render_report(records: list[dict], seen: str, evaluation) -> str:
+    """The night's report: one row per release seen (and per method x budget where it was converted).
+    evaluation: the profile's EvaluationOptions, which the header describes."""
     counts = {s: sum(r["status"] == s for r in records) for s in STATUSES}
     lines = [f"# Nightly conversions, {seen}", "",
-             ", ".join(f"{n} {s}" for s, n in counts.items()) + ". Perplexity: WikiText-2 test (the profile's "
-             "evaluation prefix); average: the six Table-1 benchmarks, % (evaluation.limit documents each).", "",
+             ", ".join(f"{n} {s}" for s, n in counts.items()) + ". " + protocol_text(evaluation), "",
              "| source | release | published | status | method | budget | ppl original | ppl converted "
              "| avg original | avg converted | reason |",
              "|---|---|---|---|---|---:|---:|---:|---:|---:|---|"]
