@@ -507,6 +507,23 @@ def test_a_config_transformers_refuses_is_a_refusal_not_an_unresolved_lookup(hub
         assert r.unresolved is None and "config.json does not load in transformers" in r.refused, r
 
 
+def test_a_corrupt_config_is_a_refusal_whether_watched_directly_or_found(hub, make_model):
+    """config.json that is not JSON: refused when a hub query found the repository, but unresolved (the night
+    failed, every night) when the same repository or a local folder was watched by name."""
+    from transmla.io.releases import discover, resolve
+
+    bad = make_model("bad")
+    (bad / "config.json").write_text('{"model_type": "llama",')
+    hub.publish("org/bad", bad)
+    found = discover({"author": "org"}, max_params=1e9)
+    for r in (*found, resolve("hf:org/bad", max_params=1e9), resolve(str(bad), max_params=1e9)):
+        assert r.unresolved is None and "config.json is not valid JSON" in r.refused, r
+    from transmla.errors import TransMLAError
+
+    with pytest.raises(TransMLAError, match="not found"):  # a bad name stays a failure to look (unresolved)
+        resolve(str(bad.parent / "nosuch"))
+
+
 def test_an_unpinned_hub_source_follows_its_branch(hub, make_model, capsys):
     """A pipeline model `hf:ORG/NAME` is fetched at the commit its branch points at now: a new commit is a
     new local copy with new keys (the first copy was kept for good); without the hub, the commit fetched last."""

@@ -142,7 +142,10 @@ def resolve(source: str, watch: str | None = None, max_params: float | None = No
         info = api.model_info(src.location, revision=src.revision)
         pinned = f"hf:{src.location}@{info.sha}"
         n = _params_of(info)
-        cfg = hub_config(api, src.location, info.sha)
+        try:
+            cfg = hub_config(api, src.location, info.sha)
+        except json.JSONDecodeError as e:  # the repository's defect, refused as when a hub query finds it
+            return Release(watch, pinned, info.sha, _date(info), n, f"config.json is not valid JSON ({one_line(e)})")
         return Release(watch, pinned, info.sha, _date(info), n, judge_config(cfg, max_params, n))
     if src.kind == "pypi-gguf":
         p = pin_source(src).pypi
@@ -152,8 +155,10 @@ def resolve(source: str, watch: str | None = None, max_params: float | None = No
     if src.kind == "gguf":
         n, reason = judge_gguf(src.location, max_params)
         return Release(watch, source, "sha256:" + gguf_digest(src.location), params=n, refused=reason)
-    cfg = json.loads((Path(src.location) / "config.json").read_text())
-    reason = judge_config(cfg, max_params)
+    try:
+        reason = judge_config(json.loads((Path(src.location) / "config.json").read_text()), max_params)
+    except json.JSONDecodeError as e:  # (a folder without config.json is a bad name: unresolved, as before)
+        reason = f"config.json is not valid JSON ({one_line(e)})"
     return Release(watch, source, "sha256:" + dir_release_hash(src.location), refused=reason)
 
 
