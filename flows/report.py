@@ -77,6 +77,11 @@ def check_protocol(rows: list[dict], ev) -> None:
             "run the evaluate stages with the same params (dvc repro), or give the report the params they used.")
 
 
+def ppl_label(dataset: str) -> str:
+    """How the table names the perplexity set (evaluation.ppl_dataset): the paper's name for its own."""
+    return {"wikitext2-test": "WikiText-2 test"}.get(dataset, dataset)
+
+
 def sample_note(ev) -> str:
     """What the table's benchmark sample is, and the average's standard error it guarantees."""
     docs = {t: ev.limits.get(t, ev.limit) for t in ev.tasks}
@@ -101,7 +106,7 @@ def report(profile: Profile) -> str:
         f"Benchmarks (lm-eval): {PROTOCOL_NOTE[ev.protocol]}; {limit}. Accuracy in % ± its standard error; "
         "ARC = mean of ARC-Easy and ARC-Challenge; Avg. = mean of the six columns; 'vs original' = the paired "
         "difference of Avg. to the same model's original row on the same documents ± its standard error.",
-        f"WikiText-2 test perplexity over {', '.join(f'{t:,}' for t in ppl_tokens)} tokens in "
+        f"{ppl_label(ev.ppl_dataset)} perplexity over {', '.join(f'{t:,}' for t in ppl_tokens)} tokens in "
         f"{ev.ppl_seqlen}-token windows.",
         "KV Mem. = change of the per-token KV cache (original: 2 x kv_heads x head_dim values per layer; "
         "MLA: kv_lora_rank + qk_rope_head_dim, the 'RoPE + rank' column).",
@@ -140,7 +145,8 @@ def report(profile: Profile) -> str:
         if f.is_file():
             figs[model] = list(json.loads(f.read_text())["files"].values())
     text = table1(rows, figs, notes + ["Case study (the paper's Table 6): [case_study.md](case_study.md); decode "
-                                       "throughput (Table 5): reports/throughput/."], layout.table_file())
+                                       "throughput (Table 5): reports/throughput/."], layout.table_file(),
+                  ppl_label(ev.ppl_dataset))
     case_study(rows, layout.case_study_file())
     for model in profile.pipeline.models:
         tracking.log_files(profile.mlflow.experiment, model,

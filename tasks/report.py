@@ -126,10 +126,12 @@ def case_study(rows: list[dict], out: Path) -> str:
 
 
 @task(name="table1", cache_policy=NO_CACHE)
-def table1(rows: list[dict], figures: dict[str, list[str]], notes: list[str], out: Path) -> str:
-    """Write the markdown table (rows in the given order) with its figures and notes."""
+def table1(rows: list[dict], figures: dict[str, list[str]], notes: list[str], out: Path,
+           ppl_label: str = "WikiText-2 test") -> str:
+    """Write the markdown table (rows in the given order) with its figures and notes; ppl_label names the
+    perplexity set (evaluation.ppl_dataset)."""
     head = ["Model", "Method", "KV Mem.", "RoPE + rank", "Avg.", "vs original", *[c for c, _ in COLUMNS], "Tokens",
-            "WikiText-2 ppl"]
+            f"{ppl_label.removesuffix(' test')} ppl"]
     lines = [
         "# Table 1 (regenerated)",
         "",

@@ -387,6 +387,16 @@ def test_report_refuses_rows_scored_under_other_evaluation_params(tmp_path, monk
         rows_of(load_profile(_profile(tmp_path), {"evaluation.protocol": "lm_eval", "evaluation.limit": 5}))
 
 
+def test_the_table_names_the_perplexity_set_the_params_score(tmp_path):
+    """The column and the note said WikiText-2 whatever evaluation.ppl_dataset named (wiki-demo is accepted)."""
+    from flows.report import ppl_label
+    from tasks.report import table1
+
+    assert ppl_label("wikitext2-test") == "WikiText-2 test" and ppl_label("wiki-demo") == "wiki-demo"
+    assert "| Tokens | wiki-demo ppl |" in table1.fn([], {}, [], tmp_path / "t.md", ppl_label("wiki-demo"))
+    assert "| Tokens | WikiText-2 ppl |" in table1.fn([], {}, [], tmp_path / "t.md", ppl_label("wikitext2-test"))
+
+
 def test_report_refuses_rows_with_other_document_counts_or_perplexity_tokens(tmp_path, monkeypatch):
     """Beyond protocol and limit: each benchmark's document count (per-benchmark limits, the Original row's
     reference superset, capped by the task's size) and the perplexity tokens must be what the params say, and
