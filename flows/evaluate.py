@@ -80,7 +80,7 @@ def evaluate(profile: Profile, model: str, method: str, budget: float | None = N
     write_text_atomic(layout.metrics_file(model, method, budget, finetuned), json.dumps(row, indent=2))
     publish(ev["bench_ref"], layout.eval_dir(model, method, budget, finetuned))  # per-sample logs
     tracking.track(profile.mlflow.experiment, model, method, budget, finetuned=finetuned,
-                   tags={"eval." + k: v for k, v in profile.evaluation.model_dump().items()},
+                   tags={"eval." + k: v for k, v in profile.evaluation.model_dump().items()}, tag_prefix="eval.",
                    metrics=tracked_metrics(row), artifacts={"table_row.json": row})
     return row
 

@@ -131,12 +131,19 @@ def stage_run(experiment: str, model: str, method: str, budget: float | None, co
 
 def log(client, run_id: str, params: dict | None = None, metrics: dict | None = None,
         artifacts: dict[str, object] | None = None, files: list[str | Path] = (), tags: dict | None = None,
-        history: dict[str, list[tuple[int, float]]] | None = None) -> None:
+        history: dict[str, list[tuple[int, float]]] | None = None, tag_prefix: str | None = None) -> None:
     """Params (flattened; MLflow params are write-once), numeric metrics, metric histories (name ->
     [(step, value)], e.g. loss curves; logged once per run), tags
-    (overwritable), small JSON artifacts and files into one run."""
+    (overwritable), small JSON artifacts and files into one run. tag_prefix: `tags` are the whole set under
+    it: the run's other tags under it (a key the new config no longer has: eval.limits.mmlu after limits: {})
+    are deleted, so the run never shows a config that did not run."""
     from mlflow.entities import Metric, Param, RunTag
 
+    if tag_prefix is not None:
+        keep = {k for k in _flatten(tags or {}) if k.startswith(tag_prefix)}
+        for k in client.get_run(run_id).data.tags:
+            if k.startswith(tag_prefix) and k not in keep:
+                client.delete_tag(run_id, k)
     flat = _flatten(params or {})
     existing = client.get_run(run_id).data.params
     new_params = [Param(k, str(v)[:6000]) for k, v in flat.items() if k not in existing]

@@ -268,3 +268,18 @@ def test_a_one_off_evaluation_needs_no_tracking_store(tmp_path):
     logged = subprocess.run([sys.executable, "-c", code, str(params), "--model", "tiny"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=120)
     assert logged.returncode == 2 and "does not answer" in logged.stderr, logged.stderr[-2000:]
+
+
+def test_the_evaluation_tags_are_the_last_runs_whole_set():
+    """The evaluate stage tags the variant's run with its config (eval.*); after evaluation.limits changed, the
+    old eval.limits.<task> tags stayed on the run beside the new config, which never scored them."""
+    from tasks import tracking
+
+    first = {"eval.limit": 170, "eval.limits": {"mmlu": 146, "piqa": 200}}
+    tracking.track("tags-test", "tiny", "transmla", 0.125, tags=first, tag_prefix="eval.")
+    tracking.track("tags-test", "tiny", "transmla", 0.125, tags={"eval.limit": 5, "eval.limits": {"piqa": 3}},
+                   tag_prefix="eval.")
+    client, run_id = tracking.stage_run("tags-test", "tiny", "transmla", 0.125)
+    tags = client.get_run(run_id).data.tags
+    assert {k: v for k, v in tags.items() if k.startswith("eval.")} == {"eval.limit": "5", "eval.limits.piqa": "3"}
+    assert tags["transmla.model"] == "tiny"  # the run's own tags, outside the prefix, stay
