@@ -818,8 +818,9 @@ def test_static_latent_cache_copies_repeats_and_refuses(tiny_pair):
         with pytest.raises(TransMLAError, match="no room"):
             StaticLatentCache.from_latent_cache(prefill, batch=4, capacity=7)
         prefill.batch_repeat_interleave(2)
-        with pytest.raises(TransMLAError, match="multiple"):
-            StaticLatentCache.from_latent_cache(prefill, batch=3, capacity=8)
+        for bad in (3, 0, -2):  # 0: a reshape error; -2 passed the multiple test, then torch.zeros failed
+            with pytest.raises(TransMLAError, match="multiple"):
+                StaticLatentCache.from_latent_cache(prefill, batch=bad, capacity=8)
         step = compiled_step(mla)
         cache.advance()
         with pytest.raises(TransMLAError, match="full") as err:  # position 8 of capacity 8: nothing left to write

@@ -187,6 +187,30 @@ def test_medians_of_even_counts(monkeypatch):
     assert (row["time_per_output_token_min_ms"], row["time_per_output_token_max_ms"]) == (1000.0, 3000.0)
 
 
+@pytest.mark.parametrize("call, words", [
+    # a ZeroDivisionError, torch's negative dimension, StatisticsError: raw tracebacks from library calls
+    (lambda m: tp.decode_step(m, "absorb", context=6, batch=0, steps=1), "batch=0 is below 1"),
+    (lambda m: tp.decode_step(m, "absorb", context=-4, batch=1, steps=1), "context=-4 is below 1"),
+    (lambda m: tp.decode_step(m, "absorb", context=6, batch=1, steps=0), "steps=0 is below 1"),
+    (lambda m: tp.decode_step(m, "absorb", context=6, batch=1, steps=1, warmup_steps=-1), "warmup_steps=-1"),
+    # no warm-up step: the compile was timed as a decode step (10 s per token, compile_s None)
+    (lambda m: tp.decode_step(m, "absorb", context=6, batch=1, steps=1, warmup_steps=0, compiled=True),
+     "warmup_steps=0 is below 1"),
+    (lambda m: tp.measure(m, "absorb", context=8, batch=0), "batch=0 is below 1"),
+    # blamed the context ("context=8 is too short")
+    (lambda m: tp.measure(m, "absorb", context=8, batch=1, output_len=8), "output_len=8 leaves no prompt"),
+    (lambda m: tp.memory_bandwidth(nbytes=2), "nbytes=2 is below 4"),  # 0 B/s, then a division by it
+    (lambda m: tp.memory_bandwidth(nbytes=64, repeats=0), "repeats=0 is below 1"),
+    (lambda m: tp.kv_cache_bytes(m.config, "absorb", -5), "context=-5 is below 0"),  # -800 bytes
+    (lambda m: tp.kv_capacity_tokens(100, -5), "cache_memory_bytes=-5 is below 0"),
+])
+def test_impossible_sizes_are_one_error(call, words):
+    from transmla.errors import TransMLAError
+
+    with pytest.raises(TransMLAError, match=words):
+        call(_family("deepseek_v3"))
+
+
 def test_reported_kernel_is_the_one_that_runs(monkeypatch):
     """DECODE_KERNEL "triton" where the Triton kernel cannot run (a CPU tensor without Triton's interpreter,
     or no triton) runs latent_decode's PyTorch form, and is reported as that, in decode_kernel and the row."""

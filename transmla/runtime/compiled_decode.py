@@ -80,8 +80,8 @@ class StaticLatentCache:
         if not layers or len(layers) != len(cache.layers):
             raise TransMLAError("The latent cache to copy has uninitialised layers.", "prefill it first (one forward over the prompt).")
         src_batch, length = layers[0].buffer.shape[0], layers[0].length
-        if batch % src_batch:
-            raise TransMLAError(f"Cannot repeat a cache of {src_batch} sequences to {batch}.", "use a batch that is a multiple of it.")
+        if batch < 1 or batch % src_batch:
+            raise TransMLAError(f"Cannot repeat a cache of {src_batch} sequences to {batch}.", "use a positive batch that is a multiple of it.")
         if capacity <= length:
             raise TransMLAError(f"Capacity {capacity} leaves no room after the {length} cached tokens.",
                                 "allocate capacity for the prompt plus every new token.")

@@ -131,9 +131,18 @@ def cached_tokens_per_layer(config, backend: str, context: int) -> list[int]:
     return held
 
 
+def check_counts(**counts: tuple[int, int]) -> None:
+    """Refuse a size or count below its least value (name=(value, least)): a batch of 0 divided by zero, a
+    negative one reached torch as a negative dimension, 0 steps left no median."""
+    for name, (value, least) in counts.items():
+        if value < least:
+            raise TransMLAError(f"{name}={value} is below {least}.", f"pass {name} >= {least}.")
+
+
 def kv_cache_bytes(config, backend: str, context: int, dtype: torch.dtype = torch.float32) -> int:
     """KV-cache bytes of one sequence of `context` tokens, all layers, as `backend` stores it
     (`kv_values_per_layer` values for each token `cached_tokens_per_layer` keeps)."""
+    check_counts(context=(context, 0))
     b = torch.empty((), dtype=dtype).element_size()
     return kv_values_per_layer(config, backend) * sum(cached_tokens_per_layer(config, backend, context)) * b
 
@@ -168,6 +177,7 @@ def original_kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> i
 
 def kv_capacity_tokens(bytes_per_token: float, cache_memory_bytes: int = GIB) -> int:
     """Tokens whose KV cache fits in `cache_memory_bytes` (1 GiB by default)."""
+    check_counts(cache_memory_bytes=(cache_memory_bytes, 0))
     return int(cache_memory_bytes // bytes_per_token) if bytes_per_token > 0 else 0
 
 
@@ -208,6 +218,7 @@ def memory_bandwidth(device="cpu", nbytes: int = 1 << 30, repeats: int = 5, huge
     against 35 from 4 KB pages, alternated in one process); the result's `hugepages` says whether they were."""
     from transmla.runtime import hugepages as hp
 
+    check_counts(nbytes=(nbytes, 4), repeats=(repeats, 1))  # one float32 at least: 0 bytes read 0 B/s
     n = nbytes // 4
     huge = hugepages and torch.device(device).type == "cpu" and hp.supported()
     if huge:
@@ -568,10 +579,12 @@ def measure(
                             "measure the original with backend 'hf'.")
     if backend == "static":
         raise TransMLAError("The static backend is measured per decode step only.", "use decode_step(..., backend='static').")
+    check_counts(batch=(batch, 1), context=(context, 2))
+    if output_len is not None and not 1 <= output_len < context:  # the prompt and the output both need a token
+        raise TransMLAError(f"output_len={output_len} leaves no prompt or no output in context={context}.",
+                            f"pass output_len between 1 and {context - 1}, or None (half the context).")
     out_len = context - context // 2 if output_len is None else output_len
     in_len = context - out_len
-    if in_len < 1 or out_len < 1:
-        raise TransMLAError(f"context={context} is too short.", "use a context of at least 2 tokens.")
     vocab = vocab_size or config.vocab_size
     ids = prompt_ids if prompt_ids is not None else random_prompts(vocab, batch, in_len, seed, tokenizer)
     if ids.shape != (batch, in_len):
@@ -700,6 +713,9 @@ def decode_step(
     from transmla.runtime.absorb import LatentCache, absorbed, decode_kernel
 
     _check_backend(backend)
+    # compiled: the first step compiles, and an untimed warm-up step is where its seconds go (compile_s)
+    check_counts(batch=(batch, 1), context=(context, 1), steps=(steps, 1),
+                 warmup_steps=(warmup_steps, 1 if compiled else 0))
     config = model.config
     if backend == "absorb" and not is_mla(config):
         raise TransMLAError(f"The absorb backend needs an MLA (DeepseekV3) model, got {config.model_type!r}.",
