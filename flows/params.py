@@ -119,6 +119,8 @@ def _decimal_budgets(v):
         if isinstance(b, int) and not isinstance(b, bool):
             raise ValueError(f"budget {b} is an integer: write it as a decimal ({float(b)!r}), as stage names "
                              "and paths spell it")
+        if isinstance(b, str):  # pydantic reads "0.50" as 0.5, DVC names the stage after the text ("0.50")
+            raise ValueError(f"budget {b!r} is quoted text: write it as a number, unquoted")
     return v
 
 

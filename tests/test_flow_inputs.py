@@ -215,6 +215,9 @@ def test_cli_override_that_is_not_yaml(tmp_path):
     ({"nightly.watch": {"hub": {"author": "Qwen"}}}, "watch is a list of entries"),
     # the field's Python spelling loaded, and dvc repro stopped at the first stage tracking methods.transmla-refit
     ({"methods.transmla_refit": {"freqfold": 2}}, "the row is spelled transmla-refit"),
+    # pydantic read "0.50" as 0.5 where DVC named the stage and its paths "0.50"
+    ({"pipeline.budgets": ["0.50"]}, "budget '0.50' is quoted text"),
+    ({"nightly.budgets": ["1"]}, "budget '1' is quoted text"),
 ])
 def test_profile_lists_and_spellings_that_would_run_wrong_are_refused(override, words):
     from flows.params import load_profile
