@@ -32,16 +32,20 @@ def task_rng(seed: int, task: str) -> random.Random:
     return random.Random(f"{seed}/{task}")  # str seeds hash with sha512: stable across runs and platforms
 
 
-def allocate(sizes: dict[str, int], n: int) -> dict[str, int]:
+def allocate(sizes: dict[str, int], n: int, floors: dict[str, int] | None = None) -> dict[str, int]:
     """Proportional allocation of n draws over strata (largest remainder), capped by each stratum's size;
-    when n >= the number of strata every non-empty stratum gets at least one draw."""
+    when n >= the number of strata every non-empty stratum gets at least one draw. floors: a least count per
+    stratum (sum <= n), so a larger sample holds a smaller one's counts: largest remainders alone gave a
+    stratum fewer draws at 57 than at 47, and the superset that topped it up came out larger than asked."""
     total = sum(sizes.values())
     if n >= total:
         return dict(sizes)
+    least = floors or {}
     quota = {k: n * v / total for k, v in sizes.items()}
-    out = {k: min(sizes[k], math.floor(q)) for k, q in quota.items()}
+    out = {k: max(least.get(k, 0), min(sizes[k], math.floor(q))) for k, q in quota.items()}
     floor = 0
-    if n >= sum(1 for v in sizes.values() if v):
+    # (only where it leaves room for the floors: a superset keeps its base sample first)
+    if n >= sum(max(1 if v else 0, least.get(k, 0)) for k, v in sizes.items()):
         floor = 1
         for k, v in sizes.items():
             if v and not out[k]:
@@ -54,8 +58,8 @@ def allocate(sizes: dict[str, int], n: int) -> dict[str, int]:
         if out[k] < sizes[k]:
             out[k] += 1
         i += 1
-    while sum(out.values()) > n:  # the minimum-one rule overshot: take back from the largest allocations
-        k = max((k for k in out if out[k] > floor), key=lambda k: (out[k] - quota[k], k))
+    while sum(out.values()) > n:  # the minimum-one rule (or the floors) overshot: take back from the largest
+        k = max((k for k in out if out[k] > max(floor, least.get(k, 0))), key=lambda k: (out[k] - quota[k], k))
         out[k] -= 1
     return out
 
@@ -75,7 +79,7 @@ def sample_plan(strata: dict[str, dict[str, int]], n: int | None, seed: int,
     plan: dict[str, list[int]] = {}
     for bench, sizes in strata.items():
         base = allocate(sizes, (overrides or {}).get(bench, n))
-        big = allocate(sizes, max((superset or {}).get(bench, 0), sum(base.values())))
+        big = allocate(sizes, max((superset or {}).get(bench, 0), sum(base.values())), floors=base)
         for task, k in sorted(base.items()):
             docs = task_rng(seed, task).sample(range(sizes[task]), k)
             rest = sorted(set(range(sizes[task])) - set(docs))
