@@ -56,6 +56,10 @@ def model_under_test(profile: Profile, model: str, method: str, budget: float | 
     if method == "original":
         if finetuned:
             raise TransMLAError("The original model is not fine-tuned here.", "drop --finetuned or pick a converted method.")
+        if checkpoint is not None:  # it scored the profile's model and wrote the row as if it were the checkpoint's
+            raise TransMLAError(f"--method original scores the profile's model: --checkpoint {checkpoint} would be "
+                                "ignored.", "drop --checkpoint, or name the --method and --budget it was converted with "
+                                "(another original model: add it under models: in the params).")
         return resolve_model(profile.model(model).source), None
     if budget is None:
         raise TransMLAError("A converted model needs its --budget.", "pass --budget (e.g. 0.125).")

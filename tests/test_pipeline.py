@@ -359,6 +359,9 @@ def test_a_one_off_evaluation_leaves_the_pipelines_row_alone(tmp_path, tiny_dir,
     assert len(runs) == 1 and runs["metrics.wikitext2_ppl"].iloc[0] == pytest.approx(row["ppl"])
     with pytest.raises(TransMLAError, match="pass --out FILE"):
         evaluate(prof, "oneoff", "transmla", 0.25, checkpoint=str(tmp_path))
+    with pytest.raises(TransMLAError, match="--checkpoint .* would be ignored"):  # scored the profile's model instead
+        evaluate(prof, "oneoff", "original", checkpoint=str(tmp_path), out=str(tmp_path / "other.json"))
+    assert not (tmp_path / "other.json").exists()
 
 
 def test_cache_hits_across_processes(tmp_path, tiny_dir):
