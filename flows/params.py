@@ -397,6 +397,14 @@ class Profile(Strict):
         return self
 
     @model_validator(mode="after")
+    def _figure_windows(self):
+        # the figures score evaluation.ppl_seqlen windows over figures.ppl_max_tokens (flows/figures.py)
+        if self.figures.ppl_max_tokens < self.evaluation.ppl_seqlen:
+            raise ValueError(f"figures.ppl_max_tokens {self.figures.ppl_max_tokens} is fewer than one "
+                             f"evaluation.ppl_seqlen window ({self.evaluation.ppl_seqlen})")
+        return self
+
+    @model_validator(mode="after")
     def _finetune_device(self):
         # the fine-tune's own limits on the profile's device fail here, not when its stage starts after the
         # conversions and evaluations

@@ -82,15 +82,23 @@ def ppl_label(dataset: str) -> str:
     return {"wikitext2-test": "WikiText-2 test"}.get(dataset, dataset)
 
 
-def sample_note(ev) -> str:
-    """What the table's benchmark sample is, and the average's standard error it guarantees."""
-    docs = {t: ev.limits.get(t, ev.limit) for t in ev.tasks}
+def sample_note(ev, rows: list[dict] = ()) -> str:
+    """What the table's benchmark sample is, and the average's standard error it guarantees. Each count is
+    capped by the benchmark's size where the rows record it (OpenBookQA has 500 documents, whatever a limit of
+    1000 says), and a reference limit of a benchmark the tasks do not run is not the table's."""
+    sizes = next((r["sizes"] for r in rows if r.get("sizes")), {})
+
+    def count(t: str, n: int) -> int:
+        return min(n, sum(sizes[t].values())) if sizes.get(t) else n
+
+    docs = {t: count(t, ev.limits.get(t, ev.limit)) for t in ev.tasks}
     text = "the same seeded sample for every row: " + ", ".join(f"{t} {n}" for t, n in docs.items()) + " docs"
     if set(AVERAGE_WEIGHTS) <= set(docs):
         text += (f" (MMLU stratified by subject; the average's standard error is at most "
                  f"{100 * worst_case_average_se(docs):.2f} points at any accuracy)")
-    if ev.reference_limits:
-        text += ("; the Original rows score " + ", ".join(f"{t} on {n}" for t, n in ev.reference_limits.items())
+    reference = {t: count(t, n) for t, n in ev.reference_limits.items() if t in ev.tasks}
+    if reference:
+        text += ("; the Original rows score " + ", ".join(f"{t} on {n}" for t, n in reference.items())
                  + " docs that include those (a larger sample for the reference's own level; every 'vs original' "
                  "difference is paired on the shared documents)")
     return text
@@ -100,7 +108,7 @@ def sample_note(ev) -> str:
 def report(profile: Profile) -> str:
     rows = rows_of(profile)
     ev = profile.evaluation
-    limit = "all docs" if ev.limit is None else sample_note(ev)
+    limit = "all docs" if ev.limit is None else sample_note(ev, rows)
     ppl_tokens = sorted({r["ppl_tokens"] for r in rows})
     notes = [
         f"Benchmarks (lm-eval): {PROTOCOL_NOTE[ev.protocol]}; {limit}. Accuracy in % ± its standard error; "

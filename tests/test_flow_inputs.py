@@ -215,6 +215,9 @@ def test_cli_override_that_is_not_yaml(tmp_path):
     ({"nightly.watch": {"hub": {"author": "Qwen"}}}, "watch is a list of entries"),
     # the field's Python spelling loaded, and dvc repro stopped at the first stage tracking methods.transmla-refit
     ({"methods.transmla_refit": {"freqfold": 2}}, "the row is spelled transmla-refit"),
+    # refused by the perplexity run after the model loaded (under dvc repro: after calibration and conversions)
+    ({"evaluation.ppl_max_tokens": 1000}, "ppl_max_tokens 1000 is fewer than one ppl_seqlen window (2048)"),
+    ({"figures.ppl_max_tokens": 1024}, "figures.ppl_max_tokens 1024 is fewer than one evaluation.ppl_seqlen"),
     # pydantic read "0.50" as 0.5 where DVC named the stage and its paths "0.50"
     ({"pipeline.budgets": ["0.50"]}, "budget '0.50' is quoted text"),
     ({"nightly.budgets": ["1"]}, "budget '1' is quoted text"),
@@ -398,6 +401,21 @@ def test_the_table_names_the_perplexity_set_the_params_score(tmp_path):
     assert ppl_label("wikitext2-test") == "WikiText-2 test" and ppl_label("wiki-demo") == "wiki-demo"
     assert "| Tokens | wiki-demo ppl |" in table1.fn([], {}, [], tmp_path / "t.md", ppl_label("wiki-demo"))
     assert "| Tokens | WikiText-2 ppl |" in table1.fn([], {}, [], tmp_path / "t.md", ppl_label("wikitext2-test"))
+
+
+def test_the_sample_note_counts_the_documents_there_are_of_the_benchmarks_run():
+    """A limit of 1000 was printed as 1000 OpenBookQA documents (it has 500) with the standard error of that
+    sample; a reference limit of a benchmark not in tasks was printed as a sample the Original rows scored."""
+    from flows.report import sample_note
+    from transmla.config import EvaluationOptions
+
+    rows = [{"sizes": {"openbookqa": {"offline_openbookqa": 500}, "piqa": {"offline_piqa": 1838}}}]
+    note = sample_note(EvaluationOptions(limit=1000, limits={}, reference_limits={}), rows)
+    assert "openbookqa 500, winogrande 1000" in note and "piqa 1000" in note
+    assert "at most 0.67 points" in note  # the worst case of the sample scored (0.62 for 1000 of each)
+    note = sample_note(EvaluationOptions(tasks=("mmlu", "piqa"), limit=5, limits={},
+                                         reference_limits={"winogrande": 1000, "mmlu": 20}), rows)
+    assert "Original rows score mmlu on 20 docs" in note and "winogrande" not in note
 
 
 def test_report_refuses_rows_with_other_document_counts_or_perplexity_tokens(tmp_path, monkeypatch):

@@ -433,6 +433,14 @@ class EvaluationOptions(Options):
         return v
 
     @model_validator(mode="after")
+    def _one_window(self):
+        # else refused by the perplexity run itself, after the model loaded (under dvc repro: after the conversions)
+        if self.ppl_max_tokens is not None and self.ppl_max_tokens < self.ppl_seqlen:
+            raise ValueError(f"ppl_max_tokens {self.ppl_max_tokens} is fewer than one ppl_seqlen window "
+                             f"({self.ppl_seqlen}): raise ppl_max_tokens or lower ppl_seqlen")
+        return self
+
+    @model_validator(mode="after")
     def _reference_superset(self):
         if self.limits and self.limit is None:
             raise ValueError("limits needs a limit: with limit null every doc of every benchmark is scored and limits "
