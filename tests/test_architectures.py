@@ -303,6 +303,18 @@ def test_check_config_accepts_what_it_should():
         check_config(cfg)
 
 
+@pytest.mark.parametrize("mt", ["llama", "gemma2", "gemma3_text", "qwen3"])
+def test_heads_that_kv_heads_do_not_divide_are_refused_for_every_family(mt):
+    """Gemma's configs returned before this check: 6 heads over 4 KV heads reached calibration and failed there
+    on tensor shapes (a traceback, exit 1)."""
+    from transmla.errors import TransMLAError
+
+    cfg = {"model_type": mt, "rope_theta": 1e4, "num_attention_heads": 6, "num_key_value_heads": 4,
+           "hidden_size": 96, "head_dim": 16, "num_hidden_layers": 2}
+    with pytest.raises(TransMLAError, match="6 query heads are not a multiple of 4 KV heads"):
+        check_config(cfg)
+
+
 def test_qwen2_window_switched_on_for_no_layer_converts_losslessly(tmp_path, tiny_tokenizer):
     """use_sliding_window with max_window_layers = the depth: transformers slides no layer, so the model is
     plain full attention and converts exactly (prompts longer than the window)."""

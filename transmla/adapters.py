@@ -135,6 +135,10 @@ def check_config(cfg) -> None:
     check_architecture(mt)
     check_counts(cfg)
     check_values(cfg)
+    h = _get(cfg, "num_attention_heads")
+    g = _get(cfg, "num_key_value_heads", None) or h
+    if h and g and h % g:  # every family: before the Gemma returns below (a shape error in calibration otherwise)
+        raise TransMLAError(f"{h} query heads are not a multiple of {g} KV heads.", "check the model config.")
     if mt == "gemma2":  # transmla.models.Gemma2MLAForCausalLM keeps Gemma 2's layers, soft-capping included
         return
     if mt in ("qwen3", "gemma3_text") and _get(cfg, "attention_bias", False):
@@ -169,10 +173,6 @@ def check_config(cfg) -> None:
         )
     if rp["rope_theta"] is None:
         raise TransMLAError("The model config has no rope_theta.", "use a Llama/Qwen2/Mistral checkpoint.")
-    h = _get(cfg, "num_attention_heads")
-    g = _get(cfg, "num_key_value_heads", None) or h
-    if h and g and h % g:
-        raise TransMLAError(f"{h} query heads are not a multiple of {g} KV heads.", "check the model config.")
 
 
 @dataclass(frozen=True)
