@@ -527,3 +527,14 @@ def test_mixed_calibration_shares_windows_and_keeps_one_corpus_exact():
     assert (ids[:3] == ord("a")).all() and (ids[3:] == ord("b")).all()  # 3 + 2 windows
     with pytest.raises(TransMLAError, match="cal-nsamples"):
         mixed_calibration_ids(Chars(), [a, b], 1, 16, 0)
+
+
+@pytest.mark.parametrize("load", ["model", "layers"])
+@pytest.mark.parametrize("device, words", [("cuda:7", "no such CUDA device"), ("tpu", "not a torch device")])
+def test_the_library_refuses_a_device_this_machine_lacks_before_any_work(tiny_model_dir, tmp_path, load, device, words):
+    """Only the CLI checked --device: convert(..., device="cuda") on a CPU machine failed deep in torch (an
+    AssertionError 'Torch not compiled with CUDA'; 'tpu' a RuntimeError), in both load modes."""
+    with pytest.raises(TransMLAError, match=words):
+        convert(str(tiny_model_dir), tmp_path / "out", ConvertOptions(kv_cache_ratio=0.5, device=device, load=load),
+                progress=False)
+    assert not (tmp_path / "out").exists()

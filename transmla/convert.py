@@ -153,10 +153,12 @@ def precheck(source: str, out: str | Path | None, o: ConvertOptions, cache=None,
     cannot load (no safetensors weights, unreadable tokenizer; weights=False: the dry run, which plans a
     folder holding only config.json), an unsupported architecture and impossible ranks (from the config,
     before any weight is read, downloaded or dequantised). -> `out`, resolved (None without one)."""
+    from transmla.devices import check_device
     from transmla.io.data import check_calibration_files
     from transmla.io.paths import check_output
     from transmla.io.sources import check_model_dir, check_source, parse_source
 
+    check_device(o.device, "device", "use device cpu")  # the CLI checks --device; a library call reached torch's own error
     check_calibration_files(o.cal_dataset, data_dir)
     if out is not None:
         out = check_output(out)
