@@ -80,6 +80,18 @@ def test_mha2mla_refuses_the_flags_it_would_drop(llama_dir, work, capsys, no_wei
              f"--method mha2mla takes no {named}", "drop them, or convert with --method transmla")
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--freqfold", "8"], "--freqfold"), (["--calibration", "sequential", "--refit"], "--calibration, --[no-]refit"),
+    (["--rorope-metric", "query"], "--rorope-metric"), (["--paper"], "--paper"),
+], ids=["freqfold", "calibration-refit", "metric", "paper"])
+def test_lossless_refuses_the_mode_flags_it_would_drop(llama_dir, work, capsys, no_weights, flags, named):
+    """Lossless normalises these away (exact either way): the run exited 0 and recorded freqfold 1, parallel, no
+    refit, whatever was asked."""
+    root, common = work
+    _refused(["convert", "--model", str(llama_dir), "--out", str(root / "o"), "--lossless", *flags, "--dry-run",
+              *common], capsys, root, f"--lossless takes no {named}", "drop them, or drop --lossless")
+
+
 def test_mha2mla_takes_its_own_flags(llama_dir, work, capsys, no_weights):
     root, common = work
     rc = main(["convert", "--model", str(llama_dir), "--out", str(root / "o"), "--method", "mha2mla",

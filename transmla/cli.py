@@ -129,6 +129,15 @@ def convert_options(args) -> ConvertOptions:
             raise TransMLAError(f"--method mha2mla takes no {', '.join(given)}: the baseline's steps are fixed "
                                 "(2-norm RoPE selection, joint SVD of the weights).",
                                 "drop them, or convert with --method transmla.")
+    if args.lossless:  # exact by construction (ConvertOptions.normalized): these were dropped without a word too
+        given = [flag for flag, on in (
+            ("--freqfold", args.freqfold != CO["freqfold"].default), ("--calibration", args.calibration is not None),
+            ("--[no-]refit", args.refit is not None), ("--rorope-metric", args.rorope_metric is not None),
+            ("--paper", args.paper)) if on]
+        if given:
+            raise TransMLAError(f"--lossless takes no {', '.join(given)}: it keeps every RoPE frequency and the full "
+                                "rank from the original's statistics, with nothing to fold, refit or rank.",
+                                "drop them, or drop --lossless for a compressed conversion.")
     base = PAPER_TRANSMLA if args.paper else {k: ConvertOptions.model_fields[k].default for k in PAPER_TRANSMLA}
     mode = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in base.items()}  # args stay as given
     try:
