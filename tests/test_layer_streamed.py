@@ -206,7 +206,7 @@ def test_embedding_rows_and_lazy_tensors_equal_the_stored_tensor(tiny_model_dir,
 
 def test_layer_streamed_hub_source_reads_its_revision(tmp_path, monkeypatch):
     """hf:ORG/NAME@REV streamed layer by layer downloads that revision (the in-memory path did, this one read
-    the default branch while the record named @REV)."""
+    the default branch while the record named @REV), and the files the in-memory path downloads."""
     import time
 
     import huggingface_hub
@@ -221,6 +221,8 @@ def test_layer_streamed_hub_source_reads_its_revision(tmp_path, monkeypatch):
 
     def snapshot_download(repo, **kw):
         calls.append((repo, kw.get("revision")))
+        # the file set of every other hub load: its chat template, not Mistral's second copy of the weights
+        assert kw.get("allow_patterns") == sources.HUB_FILES and kw.get("ignore_patterns") == sources.HUB_SKIP
         raise Downloaded
 
     monkeypatch.setattr(sources, "materialize", lambda src, cache=None: sources.parse_source(src).location)

@@ -239,7 +239,7 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
     from transmla.errors import TransMLAError
     from transmla.io.export import write_checkpoint_parts
     from transmla.io.lazy import LazyCheckpoint, load_module, release_module, skeleton
-    from transmla.io.sources import ModelSource, check_tokenizer_fits, materialize, parse_source
+    from transmla.io.sources import HUB_FILES, HUB_SKIP, ModelSource, check_tokenizer_fits, materialize, parse_source
     from transmla.pipeline.assemble import attention_state_dict, export_config
 
     loc = Path(materialize(source, cache))
@@ -247,8 +247,9 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
         from huggingface_hub import snapshot_download
 
         src = source if isinstance(source, ModelSource) else parse_source(source)
-        loc = Path(snapshot_download(str(loc), revision=src.revision,
-                                     allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        # the files every other hub load takes: a chat template, no duplicate consolidated weights (Mistral's)
+        loc = Path(snapshot_download(str(loc), revision=src.revision, allow_patterns=HUB_FILES,
+                                     ignore_patterns=HUB_SKIP))
     config = AutoConfig.from_pretrained(loc)
     tok = AutoTokenizer.from_pretrained(loc)
     spec = read_spec(config)
