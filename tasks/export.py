@@ -48,7 +48,7 @@ def build(model: dict, stats: dict | None, rotations: list[dict], bases: list[di
             layer, diag = layer_step(attention_weights(m, i), st.moments(i), spec, rot, basis, o.q_lora_rank, o.norm_eps)
             layers.append(layer)
             diags.append(diag)
-        budget, n_tokens = Budget(tuple(rot.plan), basis.rank, 2 * spec.g * spec.d), st.n
+        budget, n_tokens = Budget.of(spec, rot.plan, basis.rank), st.n  # (a QK-norm model's key scales counted)
     metadata = conversion_metadata({"source": model.get("source"), "content_hash": model["sha256"]}, spec, budget, o,
                                    diags, n_tokens)
     config, sd = assemble(m, spec, budget, layers, o)

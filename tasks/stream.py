@@ -28,7 +28,7 @@ def streamed_layers(model: dict, data: dict, stats: dict | None, plan: list[int]
     spec = spec_of(model)
     ids = mixed_calibration_ids(tok, calibration_texts(data), o.cal_nsamples, o.cal_seqlen, o.seed)
     stream = LayerStream(m, ids, o.cal_batch_size, progress=False)
-    budget = Budget(tuple(plan), rank, 2 * spec.g * spec.d)
+    budget = Budget.of(spec, plan, rank)
     layers, diags = convert_layers(m, stats_of(stats) if stats else None, spec, budget, o, False, stream)
     tensors = {f"layers.{i}.{k}": v for i, layer in enumerate(layers) for k, v in layer.to_tensors().items()}
     return {"layers": save_tensors("layers", tensors),

@@ -364,6 +364,27 @@ def test_a_one_off_evaluation_leaves_the_pipelines_row_alone(tmp_path, tiny_dir,
     assert not (tmp_path / "other.json").exists()
 
 
+@pytest.mark.parametrize("method", ["transmla", "transmla-refit"])
+def test_a_qk_norm_models_pipeline_conversion_records_the_cache_it_keeps(tmp_path, tiny_tokenizer, monkeypatch, method):
+    """The parallel-calibration export (the paper's method, MHA2MLA) built its budget without a QK-norm model's
+    cached key scales: the pipeline recorded a smaller KV cache and ratio than convert() and the model keep."""
+    from test_architectures import CAL, _tiny_qwen3
+
+    from flows.convert import convert
+    from flows.params import load_profile
+    from transmla.config import ConvertOptions
+    from transmla.convert import convert as convert_direct
+
+    monkeypatch.chdir(tmp_path)
+    src = _tiny_qwen3(tmp_path, tiny_tokenizer)
+    prof = load_profile(write_profile(tmp_path, src, pipeline={"methods": ["transmla", "transmla-refit"]}))
+    rec = convert(prof, "tiny", method, 0.25, out=str(tmp_path / "ckpt"))["transmla"]
+    direct = convert_direct(str(src), tmp_path / "direct", ConvertOptions(kv_cache_ratio=0.25, **CAL), progress=False)
+    key = "kv_cache_values_per_token_per_layer"
+    assert rec[key] == direct[key] and rec["kv_cache_ratio"] == direct["kv_cache_ratio"]
+    assert rec[key]["mla"] == rec["kv_lora_rank"] + rec["qk_rope_head_dim"] + 2  # one key scale per KV head
+
+
 def test_cache_hits_across_processes(tmp_path, tiny_dir):
     """Two separate processes (as two DVC stages): the second finds the first's results."""
     prof = write_profile(tmp_path, tiny_dir)

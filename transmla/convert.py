@@ -74,7 +74,7 @@ def mla_shapes(spec: GQASpec, budget: Budget, o: ConvertOptions) -> MLAShapes:
 def second_pass_layer(w, m, spec: GQASpec, rot, budget: Budget, o: ConvertOptions) -> tuple[MLALayer, MLAShapes]:
     """The authors' second pass: layer l with RoPE dropped as planned but no rank cut (the layer whose
     output the two-pass mode's BKV statistics of layer l+1 come from)."""
-    full = Budget(budget.plan, 2 * spec.g * spec.d - budget.rope_dim, budget.original_kv, budget.key_scales)
+    full = Budget.of(spec, budget.plan, 2 * spec.g * spec.d - budget.rope_dim)
     basis = basis_step(w, m, spec, rot, full.kv_lora_rank, **o.normalized().basis_options())
     return layer_step(w, m, spec, rot, basis, o.q_lora_rank, o.norm_eps)[0], mla_shapes(spec, full, o)
 

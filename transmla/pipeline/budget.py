@@ -20,6 +20,12 @@ class Budget:
     original_kv: int  # values cached per token per layer by the GQA model: 2 g d
     key_scales: int = 0  # QK-norm models (Qwen3, Gemma 3): one cached key scale per token and KV head, g
 
+    @classmethod
+    def of(cls, spec, plan, kv_lora_rank: int) -> "Budget":
+        """The budget of `spec`'s model with this RoPE plan and rank: its original cache (2 g d) and, for a
+        QK-norm model, the key scales it caches beside the latent (what every record's ratio counts)."""
+        return cls(tuple(plan), kv_lora_rank, 2 * spec.g * spec.d, spec.g if spec.qk_norm else 0)
+
     @property
     def rope_dim(self) -> int:
         return 2 * len(self.plan)
@@ -73,9 +79,8 @@ def resolve_budget(spec: GQASpec, o: ConvertOptions) -> Budget:
     # the normalized freqfold: MHA2MLA and lossless mode ignore the one asked for (and set 1)
     validate_freqfold(o.normalized().freqfold, d)
     check_mode(spec, o)
-    scales = g if spec.qk_norm else 0  # cached beside the latent (recorded in the ratio; the budget is r + R)
     if o.lossless:  # ConvertOptions refuses lossless with any budget option
-        return Budget(tuple(lossless_plan(d, g)), L, 2 * L, scales)
+        return Budget.of(spec, lossless_plan(d, g), L)
     R = o.qk_rope_dim
     r = o.kv_lora_rank
     if o.kv_cache_ratio is not None or (R is None and r is None):
@@ -113,4 +118,4 @@ def resolve_budget(spec: GQASpec, o: ConvertOptions) -> Budget:
             f"span at most 2*g*d - R = {2 * L - R} dims.",
             f"choose kv_lora_rank between 1 and {2 * L - R}.",
         )
-    return Budget(tuple(plan), r, 2 * L, scales)
+    return Budget.of(spec, plan, r)  # a QK-norm model's key scales are cached too: in the ratio, not in r + R
