@@ -15,7 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from transmla.adapters import attention_weights
 from transmla.config import ConvertOptions
 from transmla.convert import peak_rss_gib
-from transmla.io.export import instantiate, write_checkpoint
+from transmla.io.export import instantiate, read_generation, write_checkpoint
 from transmla.io.sources import content_hash
 from transmla.pipeline.assemble import assemble, conversion_metadata
 from transmla.pipeline.budget import Budget, resolve_budget
@@ -62,7 +62,7 @@ def export_checkpoint(model: dict, stats: dict | None, rotations: list[dict], ba
     ref, with the record and timings."""
     t0 = time.perf_counter()
     tok, config, sd, metadata = build(model, stats, rotations, bases, ConvertOptions(**options), streamed)
-    out = write_checkpoint(out, config, sd, tok, metadata, replace=replace)
+    out = write_checkpoint(out, config, sd, tok, metadata, replace=replace, generation=read_generation(model["path"]))
     return model_ref(out, content_hash(out), transmla=config.transmla, seconds=round(time.perf_counter() - t0, 2),
                      peak_rss_gib=round(peak_rss_gib(), 3))
 

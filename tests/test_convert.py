@@ -538,3 +538,31 @@ def test_the_library_refuses_a_device_this_machine_lacks_before_any_work(tiny_mo
         convert(str(tiny_model_dir), tmp_path / "out", ConvertOptions(kv_cache_ratio=0.5, device=device, load=load),
                 progress=False)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("load", ["model", "layers"])
+def test_the_export_keeps_the_generation_settings_the_sources_authors_wrote(tiny_model_dir, tmp_path, load):
+    """The export dropped generation_config.json: an instruct model's extra stop token and its sampling defaults
+    were lost, so even a lossless export generated differently. One transformers derived from config.json
+    (_from_model_config) says nothing new and is not written."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_model_dir, src)
+    authored = GenerationConfig(bos_token_id=0, eos_token_id=[0, 7], repetition_penalty=1.5, do_sample=True,
+                                temperature=0.7)
+    authored.save_pretrained(src)
+    o = ConvertOptions(lossless=True, cal_nsamples=8, cal_seqlen=64, cal_batch_size=4, load=load)
+    convert(str(src), tmp_path / "mla", o, progress=False)
+    got = GenerationConfig.from_pretrained(tmp_path / "mla")
+    assert (got.eos_token_id, got.repetition_penalty, got.do_sample, got.temperature) == ([0, 7], 1.5, True, 0.7)
+    assert not getattr(got, "_from_model_config", False)
+    from transformers import AutoConfig
+
+    derived = GenerationConfig.from_model_config(AutoConfig.from_pretrained(src))  # what save_pretrained writes
+    assert derived._from_model_config
+    derived.save_pretrained(src)
+    convert(str(src), tmp_path / "mla2", o, progress=False)
+    assert not (tmp_path / "mla2" / "generation_config.json").exists()

@@ -202,7 +202,7 @@ def convert(source: str, out: str | Path, o: ConvertOptions, cache=None, data_di
     trim_heap()  # the stream's freed pages go back before the export touches every weight page
     metadata = conversion_metadata(info, spec, budget, o, diags, ids.numel())
     config, sd = assemble(model, spec, budget, layers, o)
-    write_checkpoint(out, config, sd, tok, metadata)
+    write_checkpoint(out, config, sd, tok, metadata, generation=model.generation_config)
     return {**metadata, "calibration_seconds": round(cal_seconds, 2), "compute_seconds": round(compute_seconds, 2),
             "compute_cpu_seconds": round(compute_cpu, 2), "seconds": round(time.perf_counter() - t0, 2), **_peaks(data_peak)}
 
@@ -237,7 +237,7 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
 
     from transmla.adapters import shared_state_dict
     from transmla.errors import TransMLAError
-    from transmla.io.export import write_checkpoint_parts
+    from transmla.io.export import read_generation, write_checkpoint_parts
     from transmla.io.lazy import LazyCheckpoint, load_module, release_module, skeleton
     from transmla.io.sources import HUB_FILES, HUB_SKIP, ModelSource, check_tokenizer_fits, materialize, parse_source
     from transmla.pipeline.assemble import attention_state_dict, export_config
@@ -329,7 +329,7 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
         metadata = conversion_metadata(info, spec, budget, o, diags, ids.numel())
         return export_config(spec, budget, first[0], o), tok, metadata
 
-    write_checkpoint_parts(out, parts(), spec.n_layers + 1, finish)
+    write_checkpoint_parts(out, parts(), spec.n_layers + 1, finish, read_generation(loc))
     compute_seconds = time.perf_counter() - t_cal
     compute_cpu = time.process_time() - c_cal
     metadata = conversion_metadata(info, spec, budget, o, diags, ids.numel())

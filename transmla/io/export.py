@@ -232,33 +232,47 @@ def write_sharded(out: Path, state_dict: dict[str, torch.Tensor], max_shard_size
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
-def _write_record(tmp: Path, config, tokenizer, metadata: dict) -> None:
+def read_generation(folder: str | Path):
+    """The GenerationConfig a model folder holds (generation_config.json), None without one."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(folder) if (Path(folder) / "generation_config.json").is_file() else None
+
+
+def _write_record(tmp: Path, config, tokenizer, metadata: dict, generation=None) -> None:
     config.transmla = {k: v for k, v in metadata.items() if k != "layers"}  # per-layer details: report file
     config.save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    # the source's generation settings where its authors wrote them (stop tokens, sampling defaults: an instruct
+    # model's second stop token lives only there, so without it even a lossless export generated differently);
+    # one transformers derived from config.json says nothing the export's own config does not derive again
+    if generation is not None and not getattr(generation, "_from_model_config", False):
+        generation.save_pretrained(tmp)
     (tmp / "transmla_report.json").write_text(json.dumps(metadata, indent=2, default=str))
 
 
 def write_checkpoint(out: str | Path, config, state_dict: dict[str, torch.Tensor], tokenizer, metadata: dict,
-                     replace: bool = False) -> Path:
+                     replace: bool = False, generation=None) -> Path:
     """Write config + safetensors + tokenizer + metadata atomically to `out`. replace: `out` is a pipeline
-    output the run owns (a DVC out), replaced whole; otherwise a non-empty `out` is refused."""
+    output the run owns (a DVC out), replaced whole; otherwise a non-empty `out` is refused. generation: the
+    source model's GenerationConfig (written where its authors set it, `_write_record`)."""
     out = Path(out) if replace else check_output(out)
     check_state_dict(config, state_dict)
     with atomic_dir(out) as tmp:
         write_sharded(tmp, state_dict)
-        _write_record(tmp, config, tokenizer, metadata)
+        _write_record(tmp, config, tokenizer, metadata, generation)
     return out
 
 
-def write_checkpoint_parts(out: str | Path, parts, n_parts: int, finish) -> Path:
+def write_checkpoint_parts(out: str | Path, parts, n_parts: int, finish, generation=None) -> Path:
     """Write a checkpoint whose tensors arrive in parts, one shard each, atomically to `out`.
 
     parts: an iterator of {name: tensor} dicts (layer-streamed conversion: one decoder layer per part,
     computed while the previous one is already on disk); n_parts: how many it yields; finish(): called
     once they are written, returns (config, tokenizer, metadata). Written as HF's sharded layout
-    (model-0000k-of-0000N.safetensors + index), checked against the config's class like `write_checkpoint`.
+    (model-0000k-of-0000N.safetensors + index), checked against the config's class like `write_checkpoint`
+    (generation: as there).
     """
     out = check_output(out)
     with atomic_dir(out) as tmp:
@@ -279,5 +293,5 @@ def write_checkpoint_parts(out: str | Path, parts, n_parts: int, finish) -> Path
         check_state_dict(config, shapes)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
-        _write_record(tmp, config, tokenizer, metadata)
+        _write_record(tmp, config, tokenizer, metadata, generation)
     return out

@@ -286,7 +286,7 @@ def load_checkpoint(src_dir: str | Path):
 def pad_checkpoint(src_dir: str | Path, out_dir: str | Path, kv_lora_rank: int = VLLM_KV_LORA_RANK,
                    qk_rope_head_dim: int = VLLM_QK_ROPE_HEAD_DIM, latent_norm_eps: float | None = None) -> dict:
     """Write the padded checkpoint of `src_dir` to `out_dir` (atomically; out_dir must not exist or be empty)."""
-    from transmla.io.export import write_checkpoint
+    from transmla.io.export import read_generation, write_checkpoint
     from transmla.io.paths import new_output_dir
 
     out = new_output_dir(out_dir)  # fail before any work
@@ -295,7 +295,7 @@ def pad_checkpoint(src_dir: str | Path, out_dir: str | Path, kv_lora_rank: int =
     problems = vllm_problems(new_config)
     new_config.transmla["serving"]["vllm_problems"] = problems
     meta = {**meta, **new_config.transmla}
-    write_checkpoint(out, new_config, new_sd, tok, meta)
+    write_checkpoint(out, new_config, new_sd, tok, meta, generation=read_generation(src_dir))
     for p in problems:
         print(f"[transmla] warning: vLLM will not serve {out} faithfully: {p}", file=sys.stderr)
     return {"out": str(out), "src": str(Path(src_dir).resolve()), **new_config.transmla["serving"],
