@@ -566,3 +566,19 @@ def test_the_export_keeps_the_generation_settings_the_sources_authors_wrote(tiny
     derived.save_pretrained(src)
     convert(str(src), tmp_path / "mla2", o, progress=False)
     assert not (tmp_path / "mla2" / "generation_config.json").exists()
+
+
+def test_lossless_takes_any_q_lora_rank_that_keeps_the_queries_exactly(tiny_model_dir, tmp_path):
+    """The converted queries are a linear map of the original's h d (affine with Qwen2's bias), so a rank of
+    min(h d, D [+ 1]) keeps them exactly: it was refused against the width h (d + R) (Qwen2 at D: 'rank up to
+    65'). One below is a cut, refused with --lossless."""
+    model, tok = load_model(str(tiny_model_dir))
+    spec = read_spec(model.config)
+    full = min(spec.h * spec.d, spec.D + int(spec.q_bias))
+    ids = _text_ids(tok)
+    o = ConvertOptions(lossless=True, q_lora_rank=full, cal_nsamples=8, cal_seqlen=64, cal_batch_size=4)
+    convert(str(tiny_model_dir), tmp_path / "mla", o, progress=False)
+    got = _logprobs(load_model(str(tmp_path / "mla"))[0], ids)
+    assert (got - _logprobs(model, ids)).abs().max() < 1e-4
+    with pytest.raises(TransMLAError, match=f"--lossless with --q-lora-rank {full - 1}.*rank up to {full}"):
+        convert(str(tiny_model_dir), tmp_path / "cut", o.replace(q_lora_rank=full - 1), progress=False)

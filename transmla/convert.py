@@ -22,7 +22,7 @@ from transmla.adapters import GQASpec, attention_weights, read_spec, warn_past_p
 from transmla.config import REFIT_DAMP, REFIT_MAX_DIM, ConvertOptions
 from transmla.errors import TransMLAError
 from transmla.method.calibration import CalibrationStats, collect_stats, mixed_calibration_ids
-from transmla.method.mla import MLALayer, check_q_lora_rank, query_rank
+from transmla.method.mla import MLALayer, check_q_lora_rank
 from transmla.method.qknorm import rebase_query
 from transmla.pipeline.assemble import assemble, conversion_metadata
 from transmla.pipeline.basis import basis_step
@@ -40,7 +40,9 @@ def check_request(spec: GQASpec, o: ConvertOptions) -> Budget:
     (q_lora_rank): all from the config, so a dry run and a real run refuse the same things before any weight."""
     budget = resolve_budget(spec, o)
     check_q_lora_rank(o.q_lora_rank, spec.h, spec.d, budget.rope_dim, spec.D, spec.q_bias)
-    full = query_rank(spec.h, spec.d, budget.rope_dim, spec.D, spec.q_bias)
+    # the converted queries are a linear map of the original's h d, affine with a bias: their rank is at most
+    # min(h d, D [+ 1]) whatever their width h (d + R), and any rank from there up keeps them exactly
+    full = min(spec.h * spec.d, spec.D + int(spec.q_bias))
     if o.lossless and o.q_lora_rank is not None and o.q_lora_rank < full:  # a cut of the queries: not the original
         raise TransMLAError(f"--lossless with --q-lora-rank {o.q_lora_rank}: the queries have rank up to {full}, so "
                             "a lower rank cuts them and the export is no longer the original model.",

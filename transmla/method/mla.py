@@ -130,16 +130,12 @@ def query_weights(w: AttentionWeights, rot: KeyRotation, h: int, g: int, d: int)
     return W, b
 
 
-def query_rank(h: int, d: int, R: int, D: int, q_bias: bool = False) -> int:
-    """The most dims the queries can span: they are [h (d + R), D], so rank <= min of those; with a query
-    bias they are affine, q = [W_Q, b_Q] [x; 1], and D + 1 is their (exact) full rank."""
-    return min(h * (d + R), D + 1 if q_bias else D)
-
-
 def check_q_lora_rank(q_lora_rank: int | None, h: int, d: int, R: int, D: int, q_bias: bool = False) -> None:
-    """Refuse a q_lora_rank the queries cannot have (above query_rank). Shapes alone decide it, so the
-    converter checks it from the config before any weight is read (q_bias from the config too: GQASpec.q_bias)."""
-    top = query_rank(h, d, R, D, q_bias)
+    """Refuse a q_lora_rank the queries cannot have: they are [h (d + R), D], so rank <= min of those;
+    with a query bias they are affine, q = [W_Q, b_Q] [x; 1], and D + 1 is their (exact) full rank.
+    Shapes alone decide it, so the converter checks it from the config before any weight is read
+    (q_bias from the config too: GQASpec.q_bias)."""
+    top = min(h * (d + R), D + 1 if q_bias else D)
     if q_lora_rank is not None and not 1 <= q_lora_rank <= top:
         raise TransMLAError(
             f"q_lora_rank={q_lora_rank} is impossible: the queries span at most {top} dims.",
