@@ -566,6 +566,11 @@ def test_the_export_keeps_the_generation_settings_the_sources_authors_wrote(tiny
     derived.save_pretrained(src)
     convert(str(src), tmp_path / "mla2", o, progress=False)
     assert not (tmp_path / "mla2" / "generation_config.json").exists()
+    # one that does not load: transformers' model load goes on without it, and so does the export (the layer-
+    # streamed conversion failed on it, after the whole conversion in the pipeline's export)
+    (src / "generation_config.json").write_text('{"bos_token_id": 0,')
+    convert(str(src), tmp_path / "mla3", o, progress=False)
+    assert not (tmp_path / "mla3" / "generation_config.json").exists()
 
 
 def test_lossless_takes_any_q_lora_rank_that_keeps_the_queries_exactly(tiny_model_dir, tmp_path):

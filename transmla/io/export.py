@@ -233,10 +233,18 @@ def write_sharded(out: Path, state_dict: dict[str, torch.Tensor], max_shard_size
 
 
 def read_generation(folder: str | Path):
-    """The GenerationConfig a model folder holds (generation_config.json), None without one."""
+    """The GenerationConfig a model folder holds (generation_config.json), None without one or with one that does
+    not load (transformers' own model load falls back from it the same way: the conversion goes on, with a warning)."""
     from transformers import GenerationConfig
 
-    return GenerationConfig.from_pretrained(folder) if (Path(folder) / "generation_config.json").is_file() else None
+    if not (Path(folder) / "generation_config.json").is_file():
+        return None
+    try:
+        return GenerationConfig.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        print(f"[transmla] warning: {folder}/generation_config.json does not load ({' '.join(str(e).split())[:200]}); "
+              "the export carries no generation settings", file=sys.stderr)
+        return None
 
 
 def _write_record(tmp: Path, config, tokenizer, metadata: dict, generation=None) -> None:
