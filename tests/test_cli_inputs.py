@@ -90,6 +90,9 @@ def test_lossless_refuses_the_mode_flags_it_would_drop(llama_dir, work, capsys, 
     root, common = work
     _refused(["convert", "--model", str(llama_dir), "--out", str(root / "o"), "--lossless", *flags, "--dry-run",
               *common], capsys, root, f"--lossless takes no {named}", "drop them, or drop --lossless")
+    for method in (["--lossless"], ["--method", "mha2mla", "--kv-cache-ratio", "0.25"]):  # 1 is what both use
+        assert main(["convert", "--model", str(llama_dir), "--out", str(root / "o"), *method, "--freqfold", "1",
+                     "--dry-run", *common]) == 0, capsys.readouterr().err
 
 
 def test_mha2mla_takes_its_own_flags(llama_dir, work, capsys, no_weights):

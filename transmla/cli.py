@@ -118,10 +118,11 @@ def _as_flag(e: TransMLAError, command: str, flags: dict[str, str] | None = None
 
 
 def convert_options(args) -> ConvertOptions:
-    """The options of `transmla convert`: --paper sets the paper's modes, explicit mode flags win."""
+    """The options of `transmla convert`: --paper sets the paper's modes, explicit mode flags win. A flag the
+    method drops is refused where it is told apart from its default (--freqfold 1, what both use, passes)."""
     if args.method == "mha2mla":  # its steps are fixed: these flags were dropped without a word
         given = [flag for flag, on in (
-            ("--freqfold", args.freqfold != CO["freqfold"].default), ("--no-balance-kv", args.no_balance_kv),
+            ("--freqfold", args.freqfold not in (CO["freqfold"].default, 1)), ("--no-balance-kv", args.no_balance_kv),
             ("--[no-]attention-aware", args.attention_aware is not None), ("--pca", args.pca != CO["pca"].default),
             ("--calibration", args.calibration is not None), ("--[no-]refit", args.refit is not None),
             ("--rorope-metric", args.rorope_metric is not None), ("--paper", args.paper)) if on]
@@ -131,7 +132,7 @@ def convert_options(args) -> ConvertOptions:
                                 "drop them, or convert with --method transmla.")
     if args.lossless:  # exact by construction (ConvertOptions.normalized): these were dropped without a word too
         given = [flag for flag, on in (
-            ("--freqfold", args.freqfold != CO["freqfold"].default), ("--calibration", args.calibration is not None),
+            ("--freqfold", args.freqfold not in (CO["freqfold"].default, 1)), ("--calibration", args.calibration is not None),
             ("--[no-]refit", args.refit is not None), ("--rorope-metric", args.rorope_metric is not None),
             ("--paper", args.paper)) if on]
         if given:
