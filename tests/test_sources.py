@@ -967,6 +967,12 @@ def test_a_model_cache_that_cannot_be_a_folder_is_refused_naming_its_setting(tmp
     monkeypatch.setenv(CACHE_DIR_ENV, str(afile))
     with pytest.raises(TransMLAError, match=f"\\${CACHE_DIR_ENV} at a writable folder"):
         cache_dir(None)
+    monkeypatch.delenv(CACHE_DIR_ENV)  # the default under a HOME that is a file: names what to set, not an unset variable
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(afile))
+    with pytest.raises(TransMLAError, match=f"point --cache-dir \\(or \\${CACHE_DIR_ENV}\\) at a writable folder"):
+        cache_dir(None)
+    monkeypatch.setenv(CACHE_DIR_ENV, str(afile))
     assert main(["fetch-model", "smollm2-135m", "--out", str(tmp_path / "m")]) == 2
     assert "cannot be made a folder" in capsys.readouterr().err and not (tmp_path / "m").exists()
     assert cache_dir(tmp_path / "ok") == (tmp_path / "ok").resolve() and (tmp_path / "ok").is_dir()

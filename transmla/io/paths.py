@@ -36,8 +36,9 @@ def cache_dir(override: str | os.PathLike | None = None) -> Path:
         root, setting = Path(override), "--cache-dir"
     elif os.environ.get(CACHE_DIR_ENV):
         root, setting = Path(os.environ[CACHE_DIR_ENV]), f"${CACHE_DIR_ENV}"
-    else:
-        root, setting = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "transmla", "$XDG_CACHE_HOME"
+    else:  # the default: name what sets it, or what to set instead
+        root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "transmla"
+        setting = "$XDG_CACHE_HOME" if os.environ.get("XDG_CACHE_HOME") else f"--cache-dir (or ${CACHE_DIR_ENV})"
     root = root.expanduser().resolve()
     try:
         root.mkdir(parents=True, exist_ok=True)
