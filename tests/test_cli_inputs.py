@@ -455,6 +455,14 @@ def test_finetune_refuses_unknown_corpus_before_loading(work, capsys, no_weights
              capsys, root, "--corpora nosuch", "Unknown data set 'nosuch'", "wikitext2-train")
 
 
+def test_finetune_names_the_flags_a_setting_it_would_drop_depends_on(work, capsys, no_weights):
+    """The refusal of a setting the objective never reads named the fields (kd_weight) on the command line."""
+    root, common = work
+    _refused(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora", "c4-demo",
+              "--objective", "kd", "--kd-weight", "2", *common], capsys, root,
+             "--kd-weight 2.0 is only read with --objective kd+lm", "see `transmla finetune --help`")
+
+
 def test_finetune_refuses_a_corpus_named_twice_before_loading(work, capsys, no_weights):
     """Its documents were packed twice, so copies of training articles landed in the validation blocks."""
     root, common = work

@@ -107,12 +107,21 @@ def cmd_convert(args) -> dict:
     return {"out": str(args.out), **{k: meta[k] for k in keys}}
 
 
-def _as_flag(e: TransMLAError, command: str, flags: dict[str, str] | None = None) -> TransMLAError:
+def _as_flag(e: TransMLAError, command: str, flags: dict[str, str] | None = None, fields=()) -> TransMLAError:
     """An options model's error (config.options_error: "FinetuneConfig: val_tokens: ...") in the command line's
-    terms: the flag that sets the field and the command's help. flags: field -> flag where they are not named alike."""
+    terms: the flag that sets the field and the command's help. flags: field -> flag where they are not named alike.
+    fields: the model's field names, which a check across fields names in its message (kd_weight -> --kd-weight;
+    names with an underscore only, and `objective`: plain words such as `mode` or `lr` stay prose)."""
+    import re
+
     field = getattr(e, "field", None)
-    if field is None:  # a check across fields: its message names them
-        return e
+    if field is None:  # a check across fields: its message names them, as flags where they are known
+        named = sorted((f for f in fields if "_" in f or f == "objective"), key=len, reverse=True)
+        if not named:
+            return e
+        text = re.sub(r"\b(" + "|".join(named) + r")\b", lambda m: (flags or {}).get(m[1], "--" + m[1].replace("_", "-")),
+                      e.problem.split(": ", 1)[-1])
+        return TransMLAError(text, f"change one of the flags it names (see `transmla {command} --help`).")
     flag = (flags or {}).get(field, "--" + field.replace("_", "-"))
     return TransMLAError(f"{flag}: {e.reason}", f"pass a valid {flag} (see `transmla {command} --help`).")
 
@@ -260,7 +269,7 @@ def cmd_finetune(args) -> dict:
     try:
         cfg = FinetuneConfig(**{k: getattr(args, k) for k in FinetuneConfig.model_fields})
     except TransMLAError as e:
-        raise _as_flag(e, "finetune") from None
+        raise _as_flag(e, "finetune", fields=FinetuneConfig.model_fields) from None
     if cfg.needs_teacher and not args.teacher:
         name, value = cfg.teacher_setting
         shown = value if isinstance(value, str) else f"{value:g}"
