@@ -136,9 +136,11 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                                   profile.evaluation.model_dump(), code)
                     entry_file = LEDGER / f"{key}.json"
                     rec = {**base, "method": method, "budget": budget, "key": key}
-                    if entry_file.is_file():
+                    done_before = json.loads(entry_file.read_text()) if entry_file.is_file() else None
+                    # a ledger entry whose checkpoint was removed (a pruned artifacts/nightly) is converted again
+                    if done_before is not None and Path(done_before.get("checkpoint", "")).is_dir():
                         log.info(f"{rel['source']} {method} {budget}: release {rel['release_id'][:12]} already done, skipped")
-                        records.append({**rec, "status": "skipped", **json.loads(entry_file.read_text())})
+                        records.append({**rec, "status": "skipped", **done_before})
                         continue
                     if model_ref is None and setup_error is None:
                         try:
@@ -188,11 +190,13 @@ def _pct(x) -> str:
 
 def protocol_text(ev) -> str:
     """What the report's numbers are, from the profile's evaluation section (EvaluationOptions)."""
+    from flows.report import ppl_label
+
     tokens = f"first {ev.ppl_max_tokens:,} tokens" if ev.ppl_max_tokens else "every token"
-    sample = "every document" if ev.limit is None else f"{ev.limit} documents each" + "".join(
-        f", {t} {n}" for t, n in sorted(ev.limits.items()) if t in ev.tasks)
-    return (f"Perplexity: {ev.ppl_dataset} ({tokens}, {ev.ppl_seqlen}-token windows); average: "
-            f"{', '.join(ev.tasks)}, % ({sample}; the original on the same documents as the converted model).")
+    sample = "every document" if ev.limit is None else ", ".join(
+        f"{t} {ev.limits.get(t, ev.limit)}" for t in ev.tasks) + " documents"
+    return (f"Perplexity: {ppl_label(ev.ppl_dataset)} ({tokens}, {ev.ppl_seqlen}-token windows); average of the "
+            f"benchmarks, % ({sample}; the original on the same documents as the converted model).")
 
 
 def render_report(records: list[dict], seen: str, evaluation) -> str:

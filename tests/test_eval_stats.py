@@ -181,6 +181,9 @@ def test_a_superset_is_exactly_the_size_asked_and_holds_every_base_sample():
     floors = {"a": 5, "b": 0, "c": 0}
     assert allocate({"a": 100, "b": 1, "c": 1}, 5, floors=floors) == {"a": 5, "b": 0, "c": 0}
     assert allocate({"a": 100, "b": 1, "c": 1}, 7, floors=floors) == {"a": 5, "b": 1, "c": 1}
+    for bad in ({"a": 2, "b": 2}, {"a": 6}):  # past a stratum's size; more than n in all
+        with pytest.raises(ValueError, match="floors"):
+            allocate({"a": 100, "b": 1, "c": 1}, 5, floors=bad)
 
 
 def test_paired_columns_use_the_shared_docs_of_a_superset_reference():

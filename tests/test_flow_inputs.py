@@ -209,7 +209,8 @@ def test_cli_override_that_is_not_yaml(tmp_path):
     ({"pipeline.methods": ["transmla", "transmla"]}, "methods names ['transmla'] more than once"),
     ({"finetune.corpora": ["c4-demo", "c4-demo"]}, "corpora names ['c4-demo'] more than once"),
     ({"throughput.contexts": [512, 512]}, "contexts names [512] more than once"),
-    ({"nightly.methods": ["transmla-refit", "transmla-refit"]}, "nightly.methods"),
+    ({"nightly.methods": ["transmla-refit", "transmla-refit"]},
+     "nightly.methods: Value error, methods names ['transmla-refit'] more than once"),
     # a string alone was read as one watch entry per character: a dozen unresolved rows each night
     ({"nightly.watch": "smollm2-135m"}, "watch is a list of entries"),
     ({"nightly.watch": {"hub": {"author": "Qwen"}}}, "watch is a list of entries"),

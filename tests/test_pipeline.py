@@ -686,8 +686,8 @@ def test_nightly_skips_unchanged_releases(tmp_path, tiny_dir, tiny_tokenizer, mo
     assert Path(first[0]["checkpoint"], "config.json").is_file()
     assert [r["status"] for r in nightly(prof)] == ["skipped"]
     report = (tmp_path / "reports/nightly.md").read_text()  # the profile's protocol, not WikiText-2 and limit alone
-    assert "Perplexity: wikitext2-test (first 512 tokens, 128-token windows); average: arc_easy, arc_challenge, % " \
-           "(2 documents each; the original on the same documents as the converted model)" in report
+    assert "Perplexity: WikiText-2 test (first 512 tokens, 128-token windows); average of the benchmarks, % " \
+           "(arc_easy 2, arc_challenge 2 documents; the original on the same documents as the converted model)" in report
     # Other options (a night under another calibration seed), then back: each night's checkpoint is its own, so the
     # skipped night still points at weights its options made (one folder per release and variant replaced them)
     weights = Path(first[0]["checkpoint"], "model.safetensors").read_bytes()
@@ -696,6 +696,10 @@ def test_nightly_skips_unchanged_releases(tmp_path, tiny_dir, tiny_tokenizer, mo
     back = nightly(prof)
     assert [r["status"] for r in back] == ["skipped"] and back[0]["checkpoint"] == first[0]["checkpoint"]
     assert Path(back[0]["checkpoint"], "model.safetensors").read_bytes() == weights
+    # a checkpoint removed by hand (pruning artifacts/nightly): its ledger entry no longer skips onto nothing
+    shutil.rmtree(Path(other[0]["checkpoint"]).parent)
+    again = nightly(prof, {"calibration.seed": 7})
+    assert [r["status"] for r in again] == ["converted"] and Path(again[0]["checkpoint"], "config.json").is_file()
     # A new release under the same source (new weights): converted again.
     _tiny_model("llama", len(tiny_tokenizer), seed=12345).save_pretrained(tiny_dir)
     third = nightly(prof)

@@ -41,6 +41,8 @@ def allocate(sizes: dict[str, int], n: int, floors: dict[str, int] | None = None
     if n >= total:
         return dict(sizes)
     least = floors or {}
+    if any(f > sizes[k] for k, f in least.items()) or sum(least.values()) > n:
+        raise ValueError(f"floors {least} exceed the strata's sizes or n={n}")
     quota = {k: n * v / total for k, v in sizes.items()}
     out = {k: max(least.get(k, 0), min(sizes[k], math.floor(q))) for k, q in quota.items()}
     floor = 0
