@@ -37,7 +37,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from transmla.cli import build_parser  # noqa: E402
+from transmla.cli import build_parser, finetune_config  # noqa: E402
 from transmla.config import FINETUNE_CORPORA, FinetuneConfig  # noqa: E402
 from transmla.errors import TransMLAError  # noqa: E402
 from transmla.evaluation.perplexity import perplexity, tokenize_corpus  # noqa: E402
@@ -154,7 +154,7 @@ def main() -> None:
         flags = build_parser().parse_args(["finetune", "--model", "-", "--out", "-", "--objective", objective,
                                            *extra, *args.finetune_args])
         try:
-            FinetuneConfig(**{k: getattr(flags, k) for k in FinetuneConfig.model_fields})
+            finetune_config(flags)
         except TransMLAError as e:
             ap.error(f"run {name} (--objective {objective} {' '.join(args.finetune_args)}): {e}")
     if not 0 < args.budget <= 1:

@@ -12,7 +12,8 @@ import json
 import os
 import sys
 
-from transmla.config import PAPER_TRANSMLA, FINETUNE_CORPORA, FREQFOLDS, METHODS, ConvertOptions, EvaluationOptions, FinetuneConfig
+from transmla.config import (PAPER_TRANSMLA, FINETUNE_CORPORA, FREQFOLDS, METHODS, ConvertOptions, EvaluationOptions,
+                             FinetuneConfig, repeated)
 from transmla.devices import check_device, rank_device
 from transmla.errors import TransMLAError
 from transmla.io.paths import write_text_atomic
@@ -239,9 +240,8 @@ def _check_corpora(names: list[str], data_dir, max_documents: int | None = None)
 
     if not names:
         raise TransMLAError("--corpora names no data set.", f"pass e.g. --corpora {','.join(FINETUNE_CORPORA)}.")
-    twice = [n for i, n in enumerate(names) if n in names[:i]]
-    if twice:  # its documents were packed twice: the same articles in training and validation blocks
-        raise TransMLAError(f"--corpora names {twice} more than once.", "name each corpus once.")
+    if repeated(names):  # its documents were packed twice: the same articles in training and validation blocks
+        raise TransMLAError(f"--corpora names {repeated(names)} more than once.", "name each corpus once.")
     if max_documents is not None and max_documents < 1:
         raise TransMLAError(f"--max-documents {max_documents} is not a positive number of documents.",
                             "pass --max-documents N with N >= 1, or leave it out to read every document.")
@@ -255,21 +255,26 @@ def _check_corpora(names: list[str], data_dir, max_documents: int | None = None)
             raise TransMLAError(f"--corpora {n}: {e.problem}", e.fix) from None
 
 
+def finetune_config(args) -> FinetuneConfig:
+    """The FinetuneConfig of `transmla finetune`'s flags; a bad value is one error naming its flag."""
+    try:
+        return FinetuneConfig(**{k: getattr(args, k) for k in FinetuneConfig.model_fields})
+    except TransMLAError as e:
+        raise _as_flag(e, "finetune", fields=FinetuneConfig.model_fields) from None
+
+
 def cmd_finetune(args) -> dict:
     from pathlib import Path
 
     from transmla.io.data import load_documents
     from transmla.io.paths import check_output
-    from transmla.training.finetune import (FinetuneConfig, check_mla_type, check_teacher_config,
+    from transmla.training.finetune import (check_mla_type, check_teacher_config,
                                             check_teacher_is_not_student, check_teacher_tokenizer,
                                             check_training_blocks, finetune_on_corpora, pack_corpus)
     from transmla.io.sources import load_model, load_tokenizer, source_config
     from transmla.runtime.memory import peak_rss_bytes
 
-    try:
-        cfg = FinetuneConfig(**{k: getattr(args, k) for k in FinetuneConfig.model_fields})
-    except TransMLAError as e:
-        raise _as_flag(e, "finetune", fields=FinetuneConfig.model_fields) from None
+    cfg = finetune_config(args)
     if cfg.needs_teacher and not args.teacher:
         name, value = cfg.teacher_setting
         shown = value if isinstance(value, str) else f"{value:g}"

@@ -61,13 +61,16 @@ def no_bool_numbers(cls, v, info):
     return v
 
 
+def repeated(items) -> list:
+    """The items a sequence names again after their first mention (equality, so unhashable items too)."""
+    return [x for i, x in enumerate(items) if x in items[:i]]
+
+
 def no_repeats(cls, v, info):
     """An after-validator for every field: a list naming one thing twice is refused. Each mention was run
     (and reported) once more: a model twice in pipeline.models gave Table 1 every row twice."""
-    if isinstance(v, (list, tuple)):
-        twice = [x for i, x in enumerate(v) if x in v[:i]]
-        if twice:
-            raise ValueError(f"{info.field_name} names {twice} more than once")
+    if isinstance(v, (list, tuple)) and repeated(v):
+        raise ValueError(f"{info.field_name} names {repeated(v)} more than once")
     return v
 
 
