@@ -54,6 +54,21 @@ def test_shared_context_matches_lm_eval(tiny_model_dir, converted, which):
         assert ga == gb
 
 
+def test_choice_longer_than_the_context_window_is_one_clear_error(tiny_model_dir):
+    """lm-eval truncates a long context from the left but asserts on a choice longer than the window: a model with
+    a tiny window would end in a bare AssertionError; the error names the choice's length, the window and the fix."""
+    from transmla.errors import TransMLAError
+    from transmla.evaluation.scoring import SharedContextLM
+
+    lm = SharedContextLM(pretrained=str(tiny_model_dir), batch_size=2, max_length=16, device="cpu")
+    ok = (("ctx", " c"), *lm._encode_pair("Question: the cat sat\nAnswer:", " on a mat"))
+    long = (("ctx", " c"), *lm._encode_pair("Question:", " the cat sat on a mat while dogs ran far away " * 2))
+    assert len(long[2]) > 16 >= len(ok[2]) and len(ok[1]) + len(ok[2]) > 16  # ok: the truncating path, which scores
+    assert len(lm._loglikelihood_tokens([ok], disable_tqdm=True)) == 1
+    with pytest.raises(TransMLAError, match=r"choice is \d+ tokens, longer than the model's context window \(16 tokens\)"):
+        lm._loglikelihood_tokens([ok, long], disable_tqdm=True)
+
+
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])  # MLA-style (every head its own key) and GQA
 def test_masked_padded_sdpa_equals_stock_sdpa(heads):
     import torch

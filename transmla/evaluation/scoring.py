@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 from tqdm.auto import tqdm
 
+from transmla.errors import TransMLAError
 from transmla.method.diagnostics import use_recorded_latent_norm_eps
 
 HEAD_ROWS = 512  # predicting positions per output-head call: 512 x 49,152 float32 logits = 100 MB (SmolLM2)
@@ -135,6 +136,11 @@ class SharedContextLM(HFLM):
             if cur:
                 packs.append((list(ctx), cur))
         out: list[tuple[float, bool] | None] = [None] * len(requests)
+        longest = max((len(requests[i][2]) for i in alone), default=0)
+        if longest > self.max_length:  # lm-eval truncates the context from the left, never a choice: it asserts
+            raise TransMLAError(f"a benchmark choice is {longest} tokens, longer than the model's context window "
+                                f"({self.max_length} tokens): it cannot be scored.",
+                                "evaluate a model with a longer context, or leave that benchmark out (--tasks).")
         if alone:
             for i, r in zip(alone, super()._loglikelihood_tokens([requests[i] for i in alone], disable_tqdm, override_bs)):
                 out[i] = r
