@@ -35,6 +35,8 @@ from tasks.artifacts import STORE, canonical
 from tasks.model import resolve_model
 from tasks.releases import watch_releases
 from tasks.report import table_row
+from transmla.convert import check_conversion
+from transmla.errors import TransMLAError
 from transmla.io.paths import check_output, write_text_atomic
 from transmla.io.releases import one_line
 from transmla.io.sources import parse_source
@@ -127,8 +129,9 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                 log.info(f"{rel['source']}: refused ({rel['refused']})")
                 records.append({**base, "status": "refused", "reason": rel["refused"]})
                 continue
-            # The release's setup (fetch + reference evaluation) runs once, before its first variant that is
-            # not in the ledger; if it fails, every remaining variant of the release fails with its reason.
+            # The release's setup (fetch, then the reference evaluation) runs once, before its first variant that
+            # is not in the ledger (the evaluation: its first the model can take); if it fails, every remaining
+            # variant of the release fails with its reason.
             model_ref, original, setup_error = None, None, None
             for budget in night.budgets:
                 for method in night.methods:
@@ -144,17 +147,28 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                         continue
                     if model_ref is None and setup_error is None:
                         try:
-                            ref = resolve_model(rel["source"])  # fetches exactly this revision / version
-                            # the converted variants' own sample, so the two averages are over the same documents
-                            # (reference=True scored the original on reference_limits' superset: 1000 MMLU
-                            # documents against the converted model's 146)
-                            ev = evaluate_ref(profile, ref)
-                            original = {"ppl": ev["ppl"]["ppl"], "average": ev["benchmarks"]["average"]}
-                            model_ref = ref  # only now: a variant never runs without its reference numbers
+                            model_ref = resolve_model(rel["source"])  # fetches exactly this revision / version
                         except Exception as e:  # noqa: BLE001  (one model's failure never stops the others)
                             setup_error = f"setup of the release failed: {one_line(e)}"
                             log.error(f"{rel['source']}: {setup_error}")
-                    if setup_error is not None:
+                    if setup_error is None:
+                        try:  # a budget this model cannot take fails now, not after the reference evaluation
+                            check_conversion(model_ref["path"], profile.convert_options(method, budget))
+                        except TransMLAError as e:
+                            log.error(f"{rel['source']} {method} {budget}: failed: {one_line(e)}")
+                            records.append({**rec, "status": "failed", "reason": one_line(e)})
+                            continue
+                    if original is None and setup_error is None:
+                        try:
+                            # the converted variants' own sample, so the two averages are over the same documents
+                            # (reference=True scored the original on reference_limits' superset: 1000 MMLU
+                            # documents against the converted model's 146)
+                            ev = evaluate_ref(profile, model_ref)
+                            original = {"ppl": ev["ppl"]["ppl"], "average": ev["benchmarks"]["average"]}
+                        except Exception as e:  # noqa: BLE001
+                            setup_error = f"setup of the release failed: {one_line(e)}"
+                            log.error(f"{rel['source']}: {setup_error}")
+                    if setup_error is not None:  # a variant never runs without its reference numbers
                         records.append({**rec, "status": "failed", "reason": setup_error})
                         continue
                     try:  # one variant's failure never stops the others

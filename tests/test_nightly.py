@@ -372,6 +372,24 @@ def test_failed_release_setup_fails_its_remaining_variants_once(tmp_path, make_m
     assert all("disk full" in r["reason"] for r in records)
 
 
+def test_a_budget_the_model_cannot_take_fails_before_the_reference_evaluation(tmp_path, make_model, monkeypatch,
+                                                                               fast_variants):
+    """A nightly budget too small for a watched model (no value left for RoPE) fails that variant with the
+    converter's reason from the config alone; the reference evaluation (the six benchmarks of the original) runs
+    only for a release with a variant it can take, and the others still convert."""
+    import flows.nightly as N
+
+    monkeypatch.chdir(tmp_path)
+    a = make_model("a", seed=1)
+    records = N.nightly(_profile(tmp_path, [str(a)], budgets=[0.01]))
+    assert [r["status"] for r in records] == ["failed"]
+    assert "too few for any RoPE dim" in records[0]["reason"]
+    assert fast_variants["reference"] == [] and fast_variants["converted"] == []
+    records = N.nightly(_profile(tmp_path, [str(a)], budgets=[0.01, 0.25]))
+    assert [(r["budget"], r["status"]) for r in records] == [(0.01, "failed"), (0.25, "converted")]
+    assert fast_variants["reference"] == [str(a)] and len(fast_variants["converted"]) == 1
+
+
 def test_ledger_names_absolute_checkpoints_and_its_write_failure_fails_one_variant(tmp_path, make_model, monkeypatch,
                                                                                   fast_variants):
     """The ledger's checkpoint paths hold from any working directory; a ledger that cannot be written fails
