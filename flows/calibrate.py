@@ -10,14 +10,22 @@ from prefect import flow
 from tasks.artifacts import file_ref, publish
 from tasks.calibrate import calibration_stats
 from tasks.model import calibration_ref, resolve_model
+from transmla.io.data import check_calibration_apart
 
 from . import _cli, layout
 from .params import Profile
 
 
+def calibration_data(profile: Profile) -> dict:
+    """The calibration set's ref; a path: part holding text of the perplexity set is refused here (the params
+    check names only: a path is read on the machine that runs the stage)."""
+    check_calibration_apart(profile.calibration.dataset, profile.evaluation.ppl_dataset, "calibration.dataset")
+    return calibration_ref(profile.calibration.dataset)
+
+
 def stats_for(profile: Profile, model_ref: dict) -> dict:
     c = profile.calibration
-    return calibration_stats(model_ref, calibration_ref(c.dataset), c.nsamples, c.seqlen, c.batch_size, c.seed)
+    return calibration_stats(model_ref, calibration_data(profile), c.nsamples, c.seqlen, c.batch_size, c.seed)
 
 
 @flow(name="calibrate")

@@ -18,14 +18,14 @@ from tasks import tracking
 from tasks.artifacts import file_ref
 from tasks.bkv import layer_basis
 from tasks.export import export_checkpoint
-from tasks.model import calibration_ref, resolve_model, spec_of
+from tasks.model import resolve_model, spec_of
 from tasks.rorope import layer_rotation
 from tasks.stream import streamed_layers
 from transmla.config import ConvertOptions
 from transmla.pipeline.budget import resolve_budget
 
 from . import _cli, layout
-from .calibrate import stats_for
+from .calibrate import calibration_data, stats_for
 from .params import Profile
 
 
@@ -50,7 +50,7 @@ def converted(profile: Profile, model_ref: dict, o: ConvertOptions, out: str, st
     if o.normalized().calibration != "sequential":  # the original model's statistics (sequential makes its own)
         stats = file_ref(stats_file) if stats_file else stats_for(profile, model_ref)
     if o.streamed:  # layer l depends on the converted layers before it: one task, in layer order
-        streamed = streamed_layers(model_ref, calibration_ref(o.cal_dataset), stats, list(b.plan), b.kv_lora_rank,
+        streamed = streamed_layers(model_ref, calibration_data(profile), stats, list(b.plan), b.kv_lora_rank,
                                    o.model_dump())
         return export_checkpoint(model_ref, None, [], [], o.model_dump(), out, streamed, replace)
     rotations, bases = layer_steps(model_ref, stats, o)

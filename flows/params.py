@@ -352,7 +352,8 @@ class Profile(Strict):
     @model_validator(mode="after")
     def _data_sets(self):
         # misspelt data set names fail here, not when their stage starts after the ones before it (a path:
-        # part of the calibration set is looked for by the stages that read it: not every machine has it)
+        # part of the calibration set is looked for by the stages that read it: not every machine has it; where
+        # it is here, one holding the perplexity set's text is refused now, and by those stages again)
         from transmla.io.data import PATH_PREFIX, check_calibration_apart, split_calibration, text_spec, training_spec
 
         cal = [p for p in split_calibration(self.calibration.dataset) if not p.startswith(PATH_PREFIX)]

@@ -113,15 +113,22 @@ def test_dry_run_refuses_impossible_q_lora_rank(llama_dir, work, capsys, no_weig
 @pytest.mark.parametrize("case, words", [("out", "exists and is not empty"), ("cal", "Unknown data set"),
                                          ("data_dir", "--data-dir"),
                                          # `transmla ppl` scores WikiText-2 test: a conversion fitted on it
-                                         ("cal_test", "includes wikitext2-test, the set perplexity is measured on")])
+                                         ("cal_test", "includes wikitext2-test, the set perplexity is measured on"),
+                                         # and a path: part holding part of its file (before: calibrated on it, exit 0)
+                                         ("cal_test_copy", "holds text of wikitext2-test, the set perplexity is")])
 @pytest.mark.parametrize("dry", [True, False])
 def test_convert_and_its_dry_run_refuse_the_same_inputs_before_any_work(llama_dir, work, capsys, no_weights, case,
-                                                                        words, dry):
+                                                                        words, dry, tmp_path_factory):
     """The dry run says no where the run would: an --out in use, an unknown calibration set, a --data-dir
     without the calibration file (named with its flag; the run loaded the weights before finding it out)."""
+    from transmla.io.data import local_path
+
     root, common = work
+    copy = tmp_path_factory.mktemp("texts") / "notes.jsonl"  # 300 rows from the middle of WikiText-2 test
+    copy.write_text("".join(local_path("wikitext2-test").read_text().splitlines(keepends=True)[2000:2300]))
     flags = {"out": [], "cal": ["--cal-dataset", "nonexist"], "data_dir": ["--data-dir", str(root / "nodata")],
-             "cal_test": ["--cal-dataset", "wikitext2-train+wikitext2-test"]}[case]
+             "cal_test": ["--cal-dataset", "wikitext2-train+wikitext2-test"],
+             "cal_test_copy": ["--cal-dataset", f"wikitext2-train+path:{copy}"]}[case]
     out = root / "used"
     if case == "out":
         out.mkdir()

@@ -327,6 +327,27 @@ def test_params_that_would_fail_inside_a_stage_are_refused_at_load(override, wor
     assert "Fix:" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_calibration_path_holding_the_perplexity_text_is_refused_by_the_stages(tmp_path):
+    """A calibration part holding WikiText-2 test text (a copy of some of its rows: the conversion was calibrated on
+    the text Table 1 scores it on, exit 0) is refused at load where the path is there, and by the stages that read
+    the calibration set (a path: part is read on the machine that runs the stage); one that does not is taken."""
+    from flows.calibrate import calibration_data
+    from flows.params import load_profile
+    from transmla.io.data import local_path
+
+    rows = local_path("wikitext2-test").read_text().splitlines(keepends=True)
+    copy, other = tmp_path / "notes.jsonl", tmp_path / "other.jsonl"
+    prof = load_profile(DEFAULT, {"calibration.dataset": f"wikitext2-train+path:{copy}"})  # not there yet
+    copy.write_text("".join(rows[2000:2300]))
+    other.write_text("".join(local_path("wikitext2-train").read_text().splitlines(keepends=True)[:300]))
+    for refuse in (lambda: calibration_data(prof),
+                   lambda: load_profile(DEFAULT, {"calibration.dataset": f"wikitext2-train+path:{copy}"})):
+        with pytest.raises(TransMLAError, match="calibration.dataset part 'path:.*' holds text of wikitext2-test"):
+            refuse()
+    ref = calibration_data(load_profile(DEFAULT, {"calibration.dataset": f"wikitext2-train+path:{other}"}))
+    assert [p["name"] for p in ref["parts"]] == ["wikitext2-train", f"path:{other}"]
+
+
 def test_yaml_booleans_stay_where_a_boolean_is_wanted():
     """The refusal of booleans for numbers leaves the boolean params, and the library's options, as they were."""
     from flows.params import load_profile

@@ -94,7 +94,7 @@ def cmd_convert(args) -> dict:
     from transmla.pipeline.plan import format_plan
 
     # `transmla ppl` (and the pipeline) measure WikiText-2 test: a conversion fitted on it would be scored on it
-    check_calibration_apart(args.cal_dataset, EV["ppl_dataset"].default, "--cal-dataset")
+    check_calibration_apart(args.cal_dataset, EV["ppl_dataset"].default, "--cal-dataset", args.data_dir)
     if args.dry_run:  # refuses what the run would refuse before its work, then plans from the config
         precheck(args.model, args.out, convert_options(args), cache=args.cache_dir, data_dir=args.data_dir,
                  weights=False)

@@ -287,13 +287,33 @@ def split_calibration(name: str) -> list[str]:
     return [p.strip() for p in parts]
 
 
-def check_calibration_apart(cal_dataset: str, ppl_dataset: str, setting: str) -> None:
+def check_calibration_apart(cal_dataset: str, ppl_dataset: str, setting: str, data_dir_override=None) -> None:
     """Refuse a calibration mix that includes the set perplexity is measured on: the conversion would be fitted
-    on the very text it is then scored on."""
-    if ppl_dataset in split_calibration(cal_dataset):
+    on the very text it is then scored on. By name, and by content for `path:` parts (a copy of the set's file,
+    or the file itself: paragraphs of the set verbatim in the part), where the set's local file is here."""
+    parts = split_calibration(cal_dataset)
+    fix = "calibrate on wikitext2-train (the default), another corpus or a path: part without that text."
+    if ppl_dataset in parts:
         raise TransMLAError(f"{setting} {cal_dataset!r} includes {ppl_dataset}, the set perplexity is measured on: "
-                            "the conversion would be fitted on the text it is scored on.",
-                            "calibrate on wikitext2-train (the default), another corpus or a path: part.")
+                            "the conversion would be fitted on the text it is scored on.", fix)
+    paths = [p for p in parts if p.startswith(PATH_PREFIX) and _path_of(p).exists()]
+    if not paths or spec(ppl_dataset).local_file is None or not (data_dir(data_dir_override) / spec(ppl_dataset).local_file).is_file():
+        return  # nothing to compare, or the set is not here (the evaluation that reads it says so)
+    probes = _probe_paragraphs(load_texts(ppl_dataset, data_dir_override, "local"))
+    for p in paths:
+        text = "\n".join(path_texts(p))
+        hits = sum(q in text for q in probes)
+        if hits:
+            raise TransMLAError(f"{setting} part {p!r} holds text of {ppl_dataset}, the set perplexity is measured on "
+                                f"({hits} of {len(probes)} sampled paragraphs verbatim): the conversion would be "
+                                "fitted on the text it is scored on.", fix)
+
+
+def _probe_paragraphs(texts: list[str], min_chars: int = 200, most: int = 256) -> list[str]:
+    """Long paragraphs spread over a set, for a verbatim search: a copy of any part of it shows some; text from
+    other documents holds none (a 200-character paragraph is not repeated by chance)."""
+    long = [t.strip() for t in texts if len(t.strip()) >= min_chars]
+    return long[:: max(1, len(long) // most)][:most]
 
 
 def calibration_parts(name: str) -> list[str]:
