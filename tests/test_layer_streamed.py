@@ -99,6 +99,33 @@ def test_missing_weights_named(tmp_path):
         LazyCheckpoint(tmp_path)
 
 
+def test_both_load_modes_read_the_weights_from_pretrained_reads(tmp_path, tiny_tokenizer):
+    """A sharded save_pretrained then an unsharded one into the same folder leaves the old index (its shards
+    removed): `--load layers` read the index first and failed on the missing shards; with the shards kept it read
+    other weights than `--load model` (transformers reads model.safetensors first), exit 0 both ways."""
+    import shutil
+
+    from conftest import _tiny_model
+
+    from transmla.io.sources import load_model
+
+    a, b = _tiny_model("llama", len(tiny_tokenizer), seed=1), _tiny_model("llama", len(tiny_tokenizer), seed=2)
+    d, kept = tmp_path / "m", tmp_path / "kept"
+    a.save_pretrained(d, max_shard_size="100KB")
+    tiny_tokenizer.save_pretrained(d)
+    shutil.copytree(d, kept)
+    b.save_pretrained(d)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    for case in ("stale index", "both layouts"):
+        if case == "both layouts":
+            for shard in kept.glob("model-*.safetensors"):
+                shutil.copy(shard, d / shard.name)
+        assert (d / "model.safetensors.index.json").is_file()
+        model, _ = load_model(str(d))
+        assert torch.equal(model.state_dict()[name], b.state_dict()[name])
+        assert torch.equal(LazyCheckpoint(d).tensor(name), b.state_dict()[name]), case
+
+
 LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
              "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
              "vocab_size": 32000, "rope_theta": 10000.0, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,

@@ -39,10 +39,12 @@ class LazyCheckpoint:
 
     def __init__(self, model_dir: str | Path):
         self.dir = Path(model_dir)
-        if (self.dir / INDEX).is_file():
-            files = sorted(set(json.loads((self.dir / INDEX).read_text())["weight_map"].values()))
-        elif (self.dir / "model.safetensors").is_file():
+        # model.safetensors first, as transformers' from_pretrained reads a folder: a sharded save_pretrained
+        # followed by an unsharded one leaves the old index behind, and both load modes must read the same weights
+        if (self.dir / "model.safetensors").is_file():
             files = ["model.safetensors"]
+        elif (self.dir / INDEX).is_file():
+            files = sorted(set(json.loads((self.dir / INDEX).read_text())["weight_map"].values()))
         else:
             raise TransMLAError(f"{self.dir} has no safetensors weights (model.safetensors or {INDEX}).",
                                 "layer-streamed conversion reads local safetensors: fetch the model first "
