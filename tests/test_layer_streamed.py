@@ -107,8 +107,6 @@ def test_both_load_modes_read_the_weights_from_pretrained_reads(tmp_path, tiny_t
 
     from conftest import _tiny_model
 
-    from transmla.io.sources import load_model
-
     a, b = _tiny_model("llama", len(tiny_tokenizer), seed=1), _tiny_model("llama", len(tiny_tokenizer), seed=2)
     d, kept = tmp_path / "m", tmp_path / "kept"
     a.save_pretrained(d, max_shard_size="100KB")
@@ -124,6 +122,33 @@ def test_both_load_modes_read_the_weights_from_pretrained_reads(tmp_path, tiny_t
         model, _ = load_model(str(d))
         assert torch.equal(model.state_dict()[name], b.state_dict()[name])
         assert torch.equal(LazyCheckpoint(d).tensor(name), b.state_dict()[name]), case
+
+
+def test_a_quantized_checkpoint_is_refused_by_the_layer_streamed_load(tmp_path, tiny_tokenizer, capsys):
+    """An FP8 checkpoint (float8 blocks + scales): the layer-streamed load stopped on a bare KeyError 'F8_E4M3' after
+    the calibration data was read; now one error before any work, naming --load model (which dequantizes); an F8
+    tensor without a quantization_config is refused by the reader itself."""
+    from conftest import _tiny_model
+    from safetensors.torch import load_file, save_file
+
+    from transmla.cli import main
+
+    src = tmp_path / "fp8"
+    _tiny_model("llama", len(tiny_tokenizer)).save_pretrained(src)
+    tiny_tokenizer.save_pretrained(src)
+    sd = load_file(src / "model.safetensors")
+    sd["model.layers.0.self_attn.q_proj.weight"] = sd["model.layers.0.self_attn.q_proj.weight"].to(torch.float8_e4m3fn)
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(TransMLAError, match="stores model.layers.0.self_attn.q_proj.weight as F8_E4M3.*load: model"):
+        LazyCheckpoint(src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}}))
+    out = tmp_path / "o"
+    assert main(["convert", "--model", str(src), "--out", str(out), "--load", "layers", "--kv-cache-ratio", "0.5",
+                 "--cal-nsamples", "4", "--cal-seqlen", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "is quantized (fp8)" in err and "--load model" in err and "Traceback" not in err, err
+    assert not out.exists()
 
 
 LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,

@@ -170,6 +170,12 @@ def precheck(source: str, out: str | Path | None, o: ConvertOptions, cache=None,
     if spec is not None:
         check_request(spec, o)
     warn_past_positions(cfg, o.cal_seqlen, "cal_seqlen")
+    quant = (cfg.get("quantization_config") or {}) if isinstance(cfg, dict) else {}
+    if o.load == "layers" and quant:  # raw safetensors reads: FP8 blocks and their scales are not float weights
+        raise TransMLAError(f"{source} is quantized ({quant.get('quant_method', 'quantization_config')}): the "
+                            "layer-streamed load reads float safetensors tensors as stored.",
+                            "convert with --load model (transformers dequantizes it on load), or from the model's "
+                            "float release.")
     if src.kind == "dir" and weights:
         check_model_dir(Path(src.location))
     return out

@@ -54,8 +54,14 @@ class LazyCheckpoint:
             path = self.dir / f
             n, header = _header(path)
             for name, e in header.items():
-                if name != "__metadata__":
-                    self.entries[name] = (path, 8 + n + e["data_offsets"][0], e["dtype"], e["shape"])
+                if name == "__metadata__":
+                    continue
+                if e["dtype"] not in _ST_DTYPES:  # F8_E4M3 and the like: a quantized checkpoint read as floats
+                    raise TransMLAError(f"{path} stores {name} as {e['dtype']}, which the layer-streamed load does not "
+                                        "read (a quantized checkpoint?).",
+                                        "convert with `load: model` (transformers dequantizes on load), or from the "
+                                        "model's float release.")
+                self.entries[name] = (path, 8 + n + e["data_offsets"][0], e["dtype"], e["shape"])
         self.weight_map = {k: v[0].name for k, v in self.entries.items()}
 
     def names(self, prefix: str = "") -> list[str]:
