@@ -135,6 +135,21 @@ def test_gguf_header_names_the_architecture_without_dequantising(tmp_path, monke
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("arch", ["foo", "deepseek2"])
+def test_a_gguf_the_loader_cannot_map_is_one_error_for_every_command(tmp_path, arch, capsys):
+    """fetch-model / ppl / eval materialise a GGUF with transformers' loader, which raised a bare ValueError
+    ("architecture foo is not supported yet") through a traceback; now one error naming the safetensors fix, and
+    nothing left in the cache."""
+    from transmla.cli import main
+
+    _write_gguf(tmp_path / "g.gguf", arch)
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    assert main(["fetch-model", f"gguf:{tmp_path / 'g.gguf'}", "--out", str(out), "--cache-dir", str(cache)]) == 2
+    err = capsys.readouterr().err
+    assert "GGUF loader cannot read it" in err and "safetensors release" in err and "Traceback" not in err, err
+    assert not out.exists() and not [p for p in (cache / "models").rglob("*") if p.is_file() and p.suffix != ".lock"]
+
+
 def test_gguf_header_gives_the_shapes_a_dry_run_plans_with(tmp_path):
     """A GGUF header's config carries the MLP width, vocabulary, context and tied embeddings (llama.cpp writes no
     output.weight for them): a dry run of a GGUF (or a catalog model, which records its header) planned with

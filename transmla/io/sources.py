@@ -343,12 +343,18 @@ def _save_gguf_as_hf(gguf: Path, out: Path) -> None:
     check_loadable(read_metadata(gguf), gguf)  # a catalog model's header is read here first
     # transformers reads the GGUF's folder too: a tokenizer.json (another model's, a download beside it) would
     # replace the file's own tokenizer. The file is loaded from a folder that holds it alone.
+    from huggingface_hub.errors import StrictDataclassError
+
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".gguf-") as alone:
         os.symlink(gguf.resolve(), Path(alone) / gguf.name)
-        tok = AutoTokenizer.from_pretrained(alone, gguf_file=gguf.name)
-        with _kv_heads_default(gguf):
-            model, info = AutoModelForCausalLM.from_pretrained(alone, gguf_file=gguf.name, dtype=torch.float32,
-                                                               output_loading_info=True)
+        try:  # an architecture or metadata the loader cannot map (a deepseek2 GGUF, per-layer head counts)
+            tok = AutoTokenizer.from_pretrained(alone, gguf_file=gguf.name)
+            with _kv_heads_default(gguf):
+                model, info = AutoModelForCausalLM.from_pretrained(alone, gguf_file=gguf.name, dtype=torch.float32,
+                                                                   output_loading_info=True)
+        except (ValueError, TypeError, KeyError, NotImplementedError, StrictDataclassError) as e:
+            raise TransMLAError(f"{gguf}: transformers' GGUF loader cannot read it ({e.__class__.__name__}: "
+                                f"{_first_line(e)}).", SAFETENSORS_FIX) from None
     # transformers only logs weights the file did not provide, and initialises them at random
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
