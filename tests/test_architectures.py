@@ -92,10 +92,13 @@ def test_impossible_rope_bases_and_eps_are_refused_from_the_config(cfg, words):
     check_values({"rope_theta": 1e4, "rms_norm_eps": 0.0, "rope_local_base_freq": 1e4})  # what releases have
 
 
-def _write_gguf(path, arch: str, **kv):
+def _write_gguf(path, arch: str, split: tuple[int, int] | None = None, **kv):
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
+    if split:  # (part index, parts): the keys llama.cpp's gguf-split writes into each part
+        w.add_uint16("split.no", split[0])
+        w.add_uint16("split.count", split[1])
     w.add_block_count(2)
     w.add_head_count(4)
     w.add_head_count_kv(1)
@@ -148,6 +151,22 @@ def test_a_gguf_the_loader_cannot_map_is_one_error_for_every_command(tmp_path, a
     err = capsys.readouterr().err
     assert "GGUF loader cannot read it" in err and "safetensors release" in err and "Traceback" not in err, err
     assert not out.exists() and not [p for p in (cache / "models").rglob("*") if p.is_file() and p.suffix != ".lock"]
+
+
+def test_a_split_gguf_is_refused_naming_the_merge(tmp_path, capsys):
+    """A llama.cpp split GGUF (-00001-of-00002.gguf): the dry run planned it and fetch-model failed after
+    dequantising ("found no tensor for 11 weights"), the nightly counted the first part's parameters only."""
+    from transmla.cli import main
+    from transmla.io.releases import judge_gguf
+
+    _write_gguf(tmp_path / "m-00001-of-00002.gguf", "llama", split=(0, 2), **{"rope.freq_base": 1e4})
+    assert main(["convert", "--model", f"gguf:{tmp_path / 'm-00001-of-00002.gguf'}", "--out", str(tmp_path / "o"),
+                 "--dry-run", "--cache-dir", str(tmp_path / "cache")]) == 2
+    err = capsys.readouterr().err
+    assert "part 1 of a llama.cpp split GGUF of 2 files" in err and "llama-gguf-split --merge" in err, err
+    assert "split GGUF" in judge_gguf(str(tmp_path / "m-00001-of-00002.gguf"), None)[1]
+    _write_gguf(tmp_path / "one.gguf", "llama", split=(0, 1), **{"rope.freq_base": 1e4})  # one part: whole
+    assert judge_gguf(str(tmp_path / "one.gguf"), None)[1] is None
 
 
 def test_gguf_header_gives_the_shapes_a_dry_run_plans_with(tmp_path):

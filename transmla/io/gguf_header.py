@@ -219,6 +219,10 @@ def loader_drops(meta: dict) -> str | None:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     arch = meta.get("general.architecture", "")
+    shards = meta.get("split.count") or 0
+    if isinstance(shards, int) and shards > 1:  # transformers reads the one file it is given
+        return (f"it is part {int(meta.get('split.no') or 0) + 1} of a llama.cpp split GGUF of {shards} files: "
+                "transformers' GGUF loader reads one file, so the other parts' tensors would be missing")
     experts = meta.get(f"{arch}.expert_count") or 0
     # only llama.cpp's "llama" files carry experts transformers cannot map (its qwen2moe / qwen3moe have mappings,
     # and those families are refused by the converter's own checks, with their own reasons)
@@ -239,4 +243,5 @@ def check_loadable(meta: dict, path) -> None:
     """loader_drops as an error naming the file and the fix."""
     dropped = loader_drops(meta)
     if dropped:
-        raise TransMLAError(f"{path}: {dropped}.", SAFETENSORS_FIX)
+        merge = "merge the parts into one file first (llama-gguf-split --merge FIRST_PART.gguf MERGED.gguf), or "
+        raise TransMLAError(f"{path}: {dropped}.", (merge if "split GGUF" in dropped else "") + SAFETENSORS_FIX)
