@@ -327,6 +327,23 @@ def test_bad_budget_and_teacher_are_refused_before_training(converted, blocks, t
     assert not (tmp_path / "w").exists()
 
 
+def test_a_diverged_run_is_an_error_not_a_saved_model(converted, blocks, tmp_path):
+    """A run whose weights went non-finite (a learning rate far too high: NaN in every tensor) returned as trained and
+    was saved as the fine-tuned model, exit 0; now one error naming the learning rate, before anything is saved."""
+    from transformers import TrainerCallback
+
+    class Diverge(TrainerCallback):  # what a far too high lr does, deterministically
+        def on_step_end(self, args, state, control, model=None, **kw):
+            if state.global_step == 2:
+                with torch.no_grad():
+                    model.model.layers[0].mlp.up_proj.weight.fill_(float("nan"))
+
+    model, _ = load_model(str(converted))
+    with pytest.raises(TransMLAError, match=r"the fine-tune diverged: validation loss nan at step 4.*lower the "
+                                            r"learning rate \(lr 0.003\)"):
+        finetune(model, blocks[0], blocks[1], _cfg(max_tokens=4 * 4 * 64), str(tmp_path / "w"), callbacks=[Diverge()])
+
+
 def test_a_teacher_of_another_depth_is_refused_before_the_model_changes(cut, blocks, sharp, tmp_path):
     """Per-layer attention fitting pairs the student's layers with the teacher's: a teacher of another depth is
     one clear error before anything is changed (it was a ValueError from inside the run, leaving the model

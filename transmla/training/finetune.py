@@ -755,6 +755,13 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
         history = trainer.state.log_history
         evals = [h for h in history if "eval_loss" in h]
         final = trainer.evaluate() if not evals or evals[-1]["step"] != trainer.state.global_step else evals[-1]
+        if not math.isfinite(final["eval_loss"]) or not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            # a diverged run was saved as the fine-tuned model (NaN in every tensor), exit 0
+            raise TransMLAError(f"the fine-tune diverged: validation loss {final['eval_loss']} at step "
+                                f"{trainer.state.global_step}, non-finite weights; nothing was saved.",
+                                f"lower the learning rate (lr {cfg.lr:g}) or max_grad_norm ({cfg.max_grad_norm:g}), "
+                                f"and start again after removing {work_dir} (its checkpoints would resume the "
+                                "diverged run).")
         if trainer.match is not None:
             trainer.match.remove()
         if cfg.gradient_checkpointing:
