@@ -591,6 +591,15 @@ def test_finetune_refuses_a_work_dir_that_is_out_or_inside_it(work, capsys, no_w
               "--corpora", "wikitext2-train", *common], capsys, root, "--work-dir", "is --out or inside it")
 
 
+def test_finetune_refuses_a_default_work_folder_that_is_a_file(work, capsys, no_weights):
+    """The default work folder (.<out>.trainer beside --out) as a file: a FileExistsError traceback after the model
+    had loaded; now one error before any weight, naming --work-dir."""
+    root, common = work
+    (root / ".ft.trainer").write_text("not a folder")
+    _refused(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora", "wikitext2-train",
+              *common], capsys, root, ".ft.trainer (the default beside --out) is a file", "--work-dir DIR")
+
+
 def test_finetune_refuses_a_missing_teacher_before_loading(work, capsys, no_weights):
     root, common = work
     _refused(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora", "wikitext2-train",

@@ -283,6 +283,9 @@ def cmd_finetune(args) -> dict:
                             "--layerwise-epochs 0.")
     out = check_output(args.out)  # fail before hours of training, not after
     work = Path(args.work_dir) if args.work_dir else out.with_name(f".{out.name}.trainer")
+    if not args.work_dir and (work.is_file() or work.is_symlink() and not work.is_dir()):  # mkdir failed after loading
+        raise TransMLAError(f"The fine-tune's work folder {work} (the default beside --out) is a file.",
+                            "remove it, or pass --work-dir DIR (a folder outside --out).")
     if args.work_dir:  # it may exist: a rerun resumes from its checkpoints
         check_output(work, "dir", "--work-dir")
         work = work.resolve()
