@@ -58,7 +58,9 @@ ROWS = {
     "transmla": ("TransMLA, one pass (paper)", ["--paper"]),
     "two_pass": ("TransMLA, two passes (authors' code)", ["--paper", "--calibration", "two_pass"]),
     "sequential": ("+ sequential calibration", ["--paper", "--calibration", "sequential"]),
-    "sequential_aa": ("+ sequential + attention-aware", ["--calibration", "sequential", "--no-refit"]),
+    # key metric, as the report's rows were made (the default became query-metric on 2026-11-27)
+    "sequential_aa": ("+ sequential + attention-aware", ["--calibration", "sequential", "--no-refit",
+                                                         "--rorope-metric", "key"]),
     "refit": ("+ LS refit (one pass)", ["--paper", "--refit"]),
     "sequential_refit": ("+ sequential + LS refit", ["--paper", "--calibration", "sequential", "--refit"]),
     "all": ("all combined, key-metric RoRoPE (the default until 2026-11-27)", ["--rorope-metric", "key"]),
@@ -158,6 +160,8 @@ def original_prompts(model, tok) -> dict:
 def rescore(res: dict, out: Path, model, tok) -> None:
     """prompt_loops for rows without it, from each stored continuation's text re-tokenized (a decoded
     continuation re-encodes to the same ids but for rare merges: marked `loops_from_text`)."""
+    if not res["rows"]:
+        raise SystemExit(f"--rescore: {out} has no rows with this protocol; run the ablation first")
     for r in res["rows"]:
         if "prompt_loops" in r:
             continue
@@ -259,8 +263,19 @@ def main() -> None:
         protocol["eval_dtype"] = args.eval_dtype
     eval_dtype = getattr(torch, args.eval_dtype)
     res = json.loads(out.read_text()) if out.is_file() else {}
-    if res.get("protocol") != protocol:
+    # the rows' numbers do not depend on the machine (their times are ratios to a forward timed beside them): a
+    # report resumed, retimed or rescored on another machine keeps its rows; the one that ran first is the
+    # protocol's, later rows name their own (a machine of other thread count wiped the report's rows)
+    same = {k: v for k, v in res.get("protocol", {}).items() if k != "machine"} == \
+        {k: v for k, v in protocol.items() if k != "machine"}
+    if res.get("rows") and not same:
+        ap.error(f"--out {out} holds rows measured under another protocol ({res.get('protocol')}, not {protocol}): "
+                 "choose another --out, or remove it to start again")
+    if res.get("rows") and res.get("model") != args.model:  # two models' rows in one table, under one original
+        ap.error(f"--out {out} holds rows of {res.get('model')}, not {args.model}: choose another --out")
+    if not res.get("rows"):
         res = {"model": args.model, "protocol": protocol, "rows": []}
+    machine = protocol["machine"]
 
     model, tok = load_model(args.model, dtype="float32")
     if args.retime:
@@ -303,7 +318,8 @@ def main() -> None:
             r = {"row": row, "label": label, "budget": budget, **{k: info[k] for k in (
                 "qk_rope_head_dim", "kv_lora_rank", "kv_cache_ratio", "seconds", "calibration_seconds", "compute_seconds",
                 "compute_cpu_seconds", "peak_rss_gib")}, **fwd,
-                **{d: round(ppl(fast, d), 3) for d in DATASETS}, **prompts.summary(p), "prompts": p}
+                **{d: round(ppl(fast, d), 3) for d in DATASETS}, **prompts.summary(p), "prompts": p,
+                **({"machine": machine} if machine != res["protocol"]["machine"] else {})}
             res["rows"].append(r)
             res["rows"].sort(key=lambda x: (-x["kv_cache_ratio"], list(ROWS).index(x["row"])))
             save(res, out)

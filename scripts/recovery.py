@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -105,12 +106,14 @@ def index(folder: Path) -> str:
              "gap = WikiText-2 minus the original's; val. = the run's held-out blocks, cross-entropy and KL "
              "from the original after training. Times are as recorded: `README.md` says which runs shared "
              "the CPU (their tokens/s are not measurements).", ""]
-    for budget in sorted({r["budget"] for r, _ in reports}):
-        rows = [(res, stem, row) for res, stem in reports if res["budget"] == budget for row in res["rows"]]
+    models = {r["model"] for r, _ in reports}
+    for model, budget in sorted({(r["model"], r["budget"]) for r, _ in reports}):  # one original per section
+        rows = [(res, stem, row) for res, stem in reports if (res["model"], res["budget"]) == (model, budget)
+                for row in res["rows"]]
         rows.sort(key=lambda t: (t[2]["tokens_trained"], t[2]["wikitext2-test"]))
         orig = rows[0][0]["original"]
-        lines += [f"## {100 * (1 - budget):.2f}% KV cut (original: WikiText-2 {orig['wikitext2-test']:.2f}, "
-                  f"c4-demo {orig['c4-demo']:.2f})", "",
+        lines += [f"## {model + ', ' if len(models) > 1 else ''}{100 * (1 - budget):.2f}% KV cut (original: WikiText-2 "
+                  f"{orig['wikitext2-test']:.2f}, c4-demo {orig['c4-demo']:.2f})", "",
                   "| report | run | flags | start | tokens trained | WikiText-2 | gap | c4-demo | val. CE | val. KL "
                   "| tokens/s | s | peak RSS GiB |",
                   "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -129,7 +132,8 @@ def index(folder: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="the original model (any transmla source): converted, then the teacher")
-    ap.add_argument("--budget", type=float, default=0.125, help="KV-cache fraction kept")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="KV-cache fraction kept (default 0.125; with --checkpoint: the checkpoint's)")
     ap.add_argument("--checkpoint", default=None, help="start from this converted dir instead of converting")
     ap.add_argument("--runs", default="lm,kd,lm_time,kd_no_wt2", help=f"comma list of {list(RUNS)}")
     ap.add_argument("--max-tokens", type=int, default=FinetuneConfig().max_tokens)
@@ -147,20 +151,35 @@ def main() -> None:
     runs = args.runs.split(",")
     if bad := [r for r in runs if r not in RUNS]:
         ap.error(f"unknown runs {bad}: choose from {list(RUNS)}")
+    # each run sets these itself; argparse keeps the last value, so one after -- won over the run's (a row labelled
+    # lm trained with --objective kd, its tokens other than the header's)
+    owned = ("--objective", "--max-tokens", "--teacher", "--corpora", "--model", "--out", "--work-dir")
+    if given := [a for a in args.finetune_args if a.split("=")[0] in owned]:
+        ap.error(f"{', '.join(given)} after --: each run sets {', '.join(owned)} itself; use --runs, --max-tokens, "
+                 "--model or --out of this script instead")
     # bad input is refused before the original model's perplexity (minutes): each run's finetune options too,
     # else a flag one objective refuses (--kd-weight with lm) would fail after the runs before it (hours)
+    epochs = 1.0
     for name in runs:
         objective, _, _, extra = RUNS[name]
         flags = build_parser().parse_args(["finetune", "--model", "-", "--out", "-", "--objective", objective,
                                            *extra, *args.finetune_args])
         try:
-            finetune_config(flags)
+            epochs = finetune_config(flags).epochs
         except TransMLAError as e:
             ap.error(f"run {name} (--objective {objective} {' '.join(args.finetune_args)}): {e}")
+    if args.checkpoint:
+        if not (Path(args.checkpoint) / "config.json").is_file():
+            ap.error(f"--checkpoint {args.checkpoint}: no config.json there; pass a `transmla convert --out` directory")
+        ratio = json.loads((Path(args.checkpoint) / "config.json").read_text()).get("transmla", {}).get("kv_cache_ratio")
+        if ratio is None:
+            ap.error(f"--checkpoint {args.checkpoint}: not a TransMLA conversion (no transmla.kv_cache_ratio in its config)")
+        if args.budget is not None and abs(args.budget - ratio) > 1e-3:  # the report was titled with --budget
+            ap.error(f"--budget {args.budget}: the checkpoint keeps {ratio:.4f} of the KV cache; drop --budget")
+        args.budget = args.budget if args.budget is not None else round(ratio, 6)
+    args.budget = 0.125 if args.budget is None else args.budget
     if not 0 < args.budget <= 1:
         ap.error(f"--budget {args.budget}: the fraction of the KV cache kept must be in (0, 1]")
-    if args.checkpoint and not (Path(args.checkpoint) / "config.json").is_file():
-        ap.error(f"--checkpoint {args.checkpoint}: no config.json there; pass a `transmla convert --out` directory")
     if args.ppl_tokens < 2048 or args.max_tokens < 1:
         ap.error("--ppl-tokens must hold one 2048-token window and --max-tokens be positive")
     out = Path(args.out or REPO / "reports" / "recovery" / f"{args.model}-{args.budget}.json")
@@ -209,7 +228,16 @@ def main() -> None:
                 lm = next((r for r in res["rows"] if r["run"] == "lm"), None)
                 if kd is None or lm is None:
                     raise SystemExit(f"{name} needs the lm and {TIMED[name]} runs first (--runs lm,{TIMED[name]},{name})")
-                tokens = int(kd["seconds"] * lm["tokens_per_second"])
+                # kd's seconds at lm's speed are tokens trained in all; --max-tokens counts distinct ones, which
+                # --epochs repeats
+                tokens = int(kd["seconds"] * lm["tokens_per_second"] / epochs)
+            # a run killed in an earlier invocation left its folders under --keep: a rerun resumed it and recorded
+            # the resumed part's seconds as the run's (its tokens/s, and the equal-time runs after it, wrong)
+            for stale in (Path(args.keep or tmp) / name, Path(args.keep or tmp) / f".{name}.trainer"):
+                if stale.exists():
+                    print(f"[recovery] removing {stale}, left by an earlier invocation: the run starts again so "
+                          "that its time is measured whole", file=sys.stderr)
+                    shutil.rmtree(stale)
             r = run_cli(["finetune", "--model", str(ckpt), "--out", str(Path(args.keep or tmp) / name),
                          "--teacher", args.model,
                          "--objective", objective, "--corpora", ",".join(corpora), "--max-tokens", str(tokens),
