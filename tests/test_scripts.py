@@ -88,3 +88,24 @@ def test_ablation_keeps_its_rows_on_another_machine_and_refuses_another_model(tm
     r = _run("ablation", "--model", str(tiny_model_dir), "--out", str(out), "--ppl-tokens", "512", "--seqlen", "128")
     assert r.returncode == 2 and "another protocol" in r.stderr, r.stderr[-2000:]
     assert json.loads(out.read_text())["rows"] == before["rows"]
+
+
+def test_eval_sizing_caps_each_benchmark_at_its_documents(tmp_path, capsys):
+    """Without the benchmarks' sizes it printed 620 OpenBookQA documents (the file has 500) and a standard error
+    that sample could not reach; capped, the others take up what OpenBookQA cannot, and the bound holds."""
+    from transmla.evaluation.benchmarks import task_strata
+    from transmla.evaluation.stats import AVERAGE_WEIGHTS, worst_case_average_se
+
+    sizing = _script("eval_sizing")
+    sizes = {b: sum(n.values()) for b, n in task_strata(list(AVERAGE_WEIGHTS), None).items()}
+    speed = {b: {"docs": 100, "seconds": 100 * c} for b, c in {
+        "mmlu": 0.5, "arc_easy": 0.3, "arc_challenge": 0.3, "piqa": 0.3, "hellaswag": 1.2, "openbookqa": 0.05,
+        "winogrande": 0.2}.items()}
+    (tmp_path / "results.json").write_text(json.dumps({"speed": speed}))
+    out = sizing.main([str(tmp_path / "results.json"), "--target-se", "0.01"])
+    docs = out["sized"]["docs"]
+    assert docs["openbookqa"] == sizes["openbookqa"] and all(docs[b] <= sizes[b] for b in docs), docs
+    assert worst_case_average_se(docs) <= 0.01
+    with pytest.raises(SystemExit):  # more than there is: no sample reaches it
+        sizing.main([str(tmp_path / "results.json"), "--target-se", "0.001"])
+    assert "out of reach" in capsys.readouterr().err
