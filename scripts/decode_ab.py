@@ -55,7 +55,7 @@ def main() -> None:
 
     model = load_model(args.model)[0]
     hugepages.to_hugepages(model)
-    enable_absorb(model)
+    enable_absorb(model, fold=True)  # the native step needs folded queries and outputs (fold=None decides per layer)
     ids = torch.randint(0, model.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         prefill = LatentCache(model.config, max_cache_len=args.context)
