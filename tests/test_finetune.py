@@ -225,6 +225,12 @@ def test_a_work_dir_that_holds_other_files_keeps_them(converted, blocks, tmp_pat
                             packed=blocks)
     assert (work / "checkpoint-old-style").is_dir() and not (tmp_path / "out").exists()
     (work / "checkpoint-old-style").rmdir()
+    mine = tmp_path / "mine-out"  # an `out` holding other files: refused before training (they were deleted)
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(TransMLAError, match="not empty"):
+        finetune_on_corpora(model, tok, {}, _cfg(max_tokens=2 * 4 * 64, eval_every=1), work, mine, packed=blocks)
+    assert (mine / "notes.txt").read_text() == "keep" and not any(work.glob("checkpoint-*"))
     finetune_on_corpora(model, tok, {}, _cfg(max_tokens=2 * 4 * 64, eval_every=1), work, tmp_path / "out",
                         packed=blocks)
     assert sorted(p.name for p in work.iterdir()) == ["notes.txt"]

@@ -876,13 +876,17 @@ def finetune_on_corpora(model, tokenizer, corpora: dict[str, list[str]], cfg: Fi
 
     check_mla_model(model, cfg)
     check_work_dir(work_dir)
+    if not (Path(out) / "transmla_finetune.json").is_file():  # not this function's own earlier output
+        from transmla.io.paths import check_output
+
+        check_output(out)  # a folder in use: refused now (it was deleted with its files after training)
     train, val, data = packed or pack_corpus(tokenizer, corpora, cfg.seqlen, cfg.val_tokens, cfg.seed)
     record = finetune(model, train, val, cfg, str(work_dir), teacher=teacher)
     record["data"] = data
     if not is_main_process():  # several processes (DDP): every one holds the same weights, one writes them
         return record
-    if Path(out).exists():  # a run that died between writing the model and cleaning up
-        shutil.rmtree(out)
+    if (Path(out) / "transmla_finetune.json").is_file():  # a run that died between writing the model and cleaning
+        shutil.rmtree(out)  # up; anything else at `out` stays (new_output_dir refuses a folder in use: a user's files)
     save_finetuned(model, tokenizer, out, record)
     remove_run_files(work_dir)
     return record
