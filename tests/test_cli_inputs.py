@@ -591,6 +591,13 @@ def test_finetune_refuses_a_work_dir_that_is_out_or_inside_it(work, capsys, no_w
               "--corpora", "wikitext2-train", *common], capsys, root, "--work-dir", "is --out or inside it")
 
 
+def test_finetune_refuses_a_teacher_dtype_without_a_teacher(work, capsys, no_weights):
+    """--teacher-dtype bfloat16 with no --teacher ran with nothing in bfloat16, exit 0."""
+    root, common = work
+    _refused(["finetune", "--model", str(_mla_dir(root)), "--out", str(root / "ft"), "--corpora", "wikitext2-train",
+              "--teacher-dtype", "bfloat16", *common], capsys, root, "--teacher-dtype bfloat16 without --teacher")
+
+
 def test_finetune_refuses_a_default_work_folder_that_is_a_file(work, capsys, no_weights):
     """The default work folder (.<out>.trainer beside --out) as a file: a FileExistsError traceback after the model
     had loaded; now one error before any weight, naming --work-dir."""

@@ -281,6 +281,9 @@ def cmd_finetune(args) -> dict:
         raise TransMLAError(f"--{name.replace('_', '-')} {shown} distils from the original model.",
                             "pass --teacher SOURCE (the model you converted), or use --objective lm --attn-weight 0 "
                             "--layerwise-epochs 0.")
+    if not args.teacher and cfg.teacher_dtype != FinetuneConfig.model_fields["teacher_dtype"].default:
+        raise TransMLAError(f"--teacher-dtype {cfg.teacher_dtype} without --teacher: there is no teacher to run in it.",
+                            "pass --teacher SOURCE, or drop --teacher-dtype.")
     out = check_output(args.out)  # fail before hours of training, not after
     work = Path(args.work_dir) if args.work_dir else out.with_name(f".{out.name}.trainer")
     if not args.work_dir and (work.is_file() or work.is_symlink() and not work.is_dir()):  # mkdir failed after loading
