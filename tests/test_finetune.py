@@ -823,6 +823,18 @@ def test_layerwise_schedule_warms_up_then_decays_to_zero(cut, blocks, sharp, mon
         lw.layerwise_distill(model, teacher, blocks[0][:8], blocks[1], epochs=1, lr=2e-3, batch_size=4, schedule="step")
 
 
+def test_a_run_that_fails_after_its_layerwise_phase_before_saving_leaves_no_work_dir(cut, blocks, sharp, tmp_path):
+    """The phase's record (layerwise.json) is read only by a resume from a checkpoint, which holds the phase's
+    weights: a run stopped before its first checkpoint left it and run.json behind, and the rerun ran the phase
+    again anyway."""
+    cfg = _cfg(objective="kd", max_tokens=4 * 4 * 64, layerwise_epochs=1)
+    model, _ = load_model(str(cut))
+    work = tmp_path / "work"
+    with pytest.raises(RuntimeError, match="before the first step"):
+        finetune(model, blocks[0], blocks[1], cfg, str(work), callbacks=[_FailAtStart()], teacher=_teacher(sharp))
+    assert not work.exists()
+
+
 def test_layerwise_phase_in_finetune_is_recorded_resumed_and_exported_stock(cut, blocks, sharp, tmp_path, monkeypatch):
     """finetune(layerwise_epochs > 0): the phase runs before the first step (whether it lowers the KL is
     measured on SmolLM2, not on random tiny models: reports/recovery/); a resumed run reports the phase's

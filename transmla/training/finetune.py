@@ -773,8 +773,8 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
         # run's memory peak at long blocks (3 GiB against 0.6 for a tiny model at 4,096 tokens)
         fold = fold_latent_norms(model, val[: max(1, min(len(val), 16))])
     except BaseException:
-        if last_checkpoint(work_dir) is None and not (Path(work_dir) / "layerwise.json").exists():
-            remove_run_files(work_dir)  # nothing to resume from: no run.json left of a run that never saved
+        if last_checkpoint(work_dir) is None:  # nothing to resume from (layerwise.json is read only with a
+            remove_run_files(work_dir)  # checkpoint, which holds the phase's weights): no files left of it
         raise
     finally:
         if trainer is not None and trainer.match is not None:
