@@ -54,6 +54,26 @@ def test_shared_context_matches_lm_eval(tiny_model_dir, converted, which):
         assert ga == gb
 
 
+def test_auto_batch_size_is_detected_for_the_packed_path(tiny_model_dir, monkeypatch):
+    """--batch-size auto was read as 8 on the packed path whatever lm-eval's detection would find."""
+    from transmla.evaluation.scoring import SharedContextLM
+
+    ref = SharedContextLM(pretrained=str(tiny_model_dir), batch_size=3, max_length=256, device="cpu")
+    reqs = _requests(ref)  # every context and its choices fit in 256 tokens: all packed, none alone
+    assert all(len(c) + len(x) <= 256 for _, c, x in reqs)
+    lm = SharedContextLM(pretrained=str(tiny_model_dir), batch_size="auto", max_batch_size=2, max_length=256,
+                         device="cpu")
+    sizes = []
+    monkeypatch.setattr(lm, "_detect_batch_size", lambda *a, **k: sizes.append(2) or 2)
+    seen = []
+    forward = lm.model.model.forward
+    monkeypatch.setattr(lm.model.model, "forward", lambda *a, **k: seen.append(k["input_ids"].shape[0]) or forward(*a, **k))
+    got = lm._loglikelihood_tokens(reqs, disable_tqdm=True)
+    assert sizes == [2] and seen and max(seen) == 2, (sizes, seen)
+    for (a, ga), (b, gb) in zip(ref._loglikelihood_tokens(reqs, disable_tqdm=True), got):
+        assert b == pytest.approx(a, abs=1e-5) and ga == gb
+
+
 def test_choice_longer_than_the_context_window_is_one_clear_error(tiny_model_dir):
     """lm-eval truncates a long context from the left but asserts on a choice longer than the window: a model with
     a tiny window would end in a bare AssertionError; the error names the choice's length, the window and the fix."""

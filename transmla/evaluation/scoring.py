@@ -145,7 +145,9 @@ class SharedContextLM(HFLM):
             for i, r in zip(alone, super()._loglikelihood_tokens([requests[i] for i in alone], disable_tqdm, override_bs)):
                 out[i] = r
         packs.sort(key=lambda p: -(len(p[0]) + sum(len(requests[i][2]) for i in p[1])))
-        bs = self.batch_size if isinstance(self.batch_size, int) else (override_bs or 8)
+        # "auto": lm-eval's own detection (the largest batch of max_length sequences that fits, at most
+        # max_batch_size); a pack is at most that long (it took 8 whatever "auto" found)
+        bs = self.batch_size if isinstance(self.batch_size, int) else (override_bs or self._detect_batch_size())
         head = self.model.get_output_embeddings()
         bar = tqdm(total=len(requests) - len(alone), disable=disable_tqdm or self.rank != 0,
                    desc="Running loglikelihood requests (shared contexts)")
