@@ -1,6 +1,6 @@
 """Benchmark: the training-free conversion modes side by side (reports/ablation/<model>.{json,md}).
 
-    .venv/bin/python scripts/ablation.py --model smollm2-135m [--budgets 0.3125,0.125] [--rows all]
+    .venv/bin/python scripts/ablation.py --model smollm2-135m [--budgets 0.3125,0.125] [--rows ROW,ROW]
 
 Per KV budget and row (conversion mode), one `transmla convert` in its own process (so its wall time
 and peak RSS are its own), then on the exported stock DeepseekV3 checkpoint:

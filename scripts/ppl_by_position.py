@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--dataset", default="wikitext2-test")
     args = ap.parse_args()
+    if args.windows < 1 or args.seqlen < 2:  # 0 windows printed nan everywhere, exit 0
+        ap.error("--windows must be >= 1 and --seqlen >= 2")
     nll, ids = {}, None
     for src in args.models:
         model, tok = load_model(src)
