@@ -36,7 +36,6 @@ from tasks.model import resolve_model
 from tasks.releases import watch_releases
 from tasks.report import table_row
 from transmla.convert import check_conversion
-from transmla.errors import TransMLAError
 from transmla.io.paths import check_output, write_text_atomic
 from transmla.io.releases import one_line
 from transmla.io.sources import parse_source
@@ -154,7 +153,7 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                     if setup_error is None:
                         try:  # a budget this model cannot take fails now, not after the reference evaluation
                             check_conversion(model_ref["path"], profile.convert_options(method, budget))
-                        except TransMLAError as e:
+                        except Exception as e:  # noqa: BLE001  (one variant's failure never stops the others)
                             log.error(f"{rel['source']} {method} {budget}: failed: {one_line(e)}")
                             records.append({**rec, "status": "failed", "reason": one_line(e)})
                             continue

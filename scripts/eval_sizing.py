@@ -18,6 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
+from transmla.errors import TransMLAError
 from transmla.evaluation.benchmarks import task_strata
 from transmla.evaluation.stats import AVERAGE_WEIGHTS, cost_optimal_docs, worst_case_average_se
 
@@ -45,8 +46,13 @@ def main(argv=None) -> dict:
     if missing := [b for b in AVERAGE_WEIGHTS if not speed.get(b, {}).get("docs")]:
         ap.error(f"{a.results} has no speed for {missing}: evaluate every Table-1 benchmark (transmla eval --out DIR)")
     cost = {b: speed[b]["seconds"] / speed[b]["docs"] for b in AVERAGE_WEIGHTS}
+    if free := [b for b, c in cost.items() if c <= 0]:
+        ap.error(f"{a.results}: {free} took no time: not a measured run's speed")
     # each benchmark capped at the documents its local file has (620 of OpenBookQA's 500 broke the bound it printed)
-    strata = task_strata(list(AVERAGE_WEIGHTS), a.data_dir)
+    try:
+        strata = task_strata(list(AVERAGE_WEIGHTS), a.data_dir)
+    except TransMLAError as e:
+        ap.error(str(e))
     sizes = {b: sum(strata[b].values()) for b in AVERAGE_WEIGHTS}
     if over := [f"{b}={n} (of {sizes[b]})" for b, n in floors.items() if n > sizes[b]]:
         ap.error(f"--min {', '.join(over)}: more documents than the benchmark has")

@@ -151,19 +151,23 @@ def main() -> None:
     runs = args.runs.split(",")
     if bad := [r for r in runs if r not in RUNS]:
         ap.error(f"unknown runs {bad}: choose from {list(RUNS)}")
-    # each run sets these itself; argparse keeps the last value, so one after -- won over the run's (a row labelled
-    # lm trained with --objective kd, its tokens other than the header's)
-    owned = ("--objective", "--max-tokens", "--teacher", "--corpora", "--model", "--out", "--work-dir")
-    if given := [a for a in args.finetune_args if a.split("=")[0] in owned]:
-        ap.error(f"{', '.join(given)} after --: each run sets {', '.join(owned)} itself; use --runs, --max-tokens, "
-                 "--model or --out of this script instead")
     # bad input is refused before the original model's perplexity (minutes): each run's finetune options too,
     # else a flag one objective refuses (--kd-weight with lm) would fail after the runs before it (hours)
     epochs = 1.0
+    owned = {"objective": "--objective", "max_tokens": "--max-tokens", "teacher": "--teacher", "corpora": "--corpora",
+             "model": "--model", "out": "--out", "work_dir": "--work-dir"}
     for name in runs:
         objective, _, _, extra = RUNS[name]
-        flags = build_parser().parse_args(["finetune", "--model", "-", "--out", "-", "--objective", objective,
+        set_here = {"objective": objective, "max_tokens": args.max_tokens, "teacher": "-", "corpora": "-",
+                    "model": "-", "out": "-", "work_dir": None}
+        flags = build_parser().parse_args(["finetune", "--model", "-", "--out", "-", "--teacher", "-", "--corpora", "-",
+                                           "--objective", objective, "--max-tokens", str(args.max_tokens),
                                            *extra, *args.finetune_args])
+        # each run sets these itself; argparse keeps the last value (and takes abbreviations), so one after --
+        # won over the run's (a row labelled lm trained with --objective kd, its tokens other than the header's)
+        if changed := [owned[k] for k, v in set_here.items() if getattr(flags, k) != v]:
+            ap.error(f"{', '.join(changed)} after --: each run sets {', '.join(owned.values())} itself; use --runs, "
+                     "--max-tokens, --model or --out of this script instead")
         try:
             epochs = finetune_config(flags).epochs
         except TransMLAError as e:
@@ -171,7 +175,9 @@ def main() -> None:
     if args.checkpoint:
         if not (Path(args.checkpoint) / "config.json").is_file():
             ap.error(f"--checkpoint {args.checkpoint}: no config.json there; pass a `transmla convert --out` directory")
-        ratio = json.loads((Path(args.checkpoint) / "config.json").read_text()).get("transmla", {}).get("kv_cache_ratio")
+        meta = json.loads((Path(args.checkpoint) / "config.json").read_text()).get("transmla") or {}
+        # the ratio asked for (a QK-norm model's record counts its cached key scales too: 0.1289 for 0.125)
+        ratio = (meta.get("options") or {}).get("kv_cache_ratio") or meta.get("kv_cache_ratio")
         if ratio is None:
             ap.error(f"--checkpoint {args.checkpoint}: not a TransMLA conversion (no transmla.kv_cache_ratio in its config)")
         if args.budget is not None and abs(args.budget - ratio) > 1e-3:  # the report was titled with --budget
@@ -231,13 +237,14 @@ def main() -> None:
                 # kd's seconds at lm's speed are tokens trained in all; --max-tokens counts distinct ones, which
                 # --epochs repeats
                 tokens = int(kd["seconds"] * lm["tokens_per_second"] / epochs)
-            # a run killed in an earlier invocation left its folders under --keep: a rerun resumed it and recorded
-            # the resumed part's seconds as the run's (its tokens/s, and the equal-time runs after it, wrong)
-            for stale in (Path(args.keep or tmp) / name, Path(args.keep or tmp) / f".{name}.trainer"):
-                if stale.exists():
-                    print(f"[recovery] removing {stale}, left by an earlier invocation: the run starts again so "
-                          "that its time is measured whole", file=sys.stderr)
-                    shutil.rmtree(stale)
+            # a run killed in an earlier invocation left its work folder under --keep: a rerun resumed it and
+            # recorded the resumed part's seconds as the run's (its tokens/s, and the equal-time runs after it,
+            # wrong). Only that folder: a finished model there (the output is written whole) is refused by finetune
+            stale = Path(args.keep or tmp) / f".{name}.trainer"
+            if stale.exists():
+                print(f"[recovery] removing {stale}, left by a killed run: the run starts again so that its time "
+                      "is measured whole", file=sys.stderr)
+                shutil.rmtree(stale)
             r = run_cli(["finetune", "--model", str(ckpt), "--out", str(Path(args.keep or tmp) / name),
                          "--teacher", args.model,
                          "--objective", objective, "--corpora", ",".join(corpora), "--max-tokens", str(tokens),

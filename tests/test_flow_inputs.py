@@ -344,6 +344,11 @@ def test_a_calibration_path_holding_the_perplexity_text_is_refused_by_the_stages
                    lambda: load_profile(DEFAULT, {"calibration.dataset": f"wikitext2-train+path:{copy}"})):
         with pytest.raises(TransMLAError, match="calibration.dataset part 'path:.*' holds text of wikitext2-test"):
             refuse()
+    one = tmp_path / "one.txt"  # one paragraph of it in other text (a sample of its paragraphs missed most of these)
+    texts = [json.loads(r)["text"] for r in rows]
+    one.write_text("Some notes.\n" + [t for t in texts if len(t) > 300][777] + "\nMore notes.\n")
+    with pytest.raises(TransMLAError, match=r"holds text of wikitext2-test, .*\(1 of its"):
+        load_profile(DEFAULT, {"calibration.dataset": f"path:{one}"})
     ref = calibration_data(load_profile(DEFAULT, {"calibration.dataset": f"wikitext2-train+path:{other}"}))
     assert [p["name"] for p in ref["parts"]] == ["wikitext2-train", f"path:{other}"]
 

@@ -63,13 +63,14 @@ def test_auto_batch_size_is_detected_for_the_packed_path(tiny_model_dir, monkeyp
     assert all(len(c) + len(x) <= 256 for _, c, x in reqs)
     lm = SharedContextLM(pretrained=str(tiny_model_dir), batch_size="auto", max_batch_size=2, max_length=256,
                          device="cpu")
-    sizes = []
-    monkeypatch.setattr(lm, "_detect_batch_size", lambda *a, **k: sizes.append(2) or 2)
+    sizes = []  # the length it is asked to fit: the longest pack's, not the model's whole context
+    monkeypatch.setattr(lm, "_detect_batch_size", lambda reqs=None, pos=0: sizes.append(len(reqs[0][1]) + len(reqs[0][2])) or 2)
     seen = []
     forward = lm.model.model.forward
     monkeypatch.setattr(lm.model.model, "forward", lambda *a, **k: seen.append(k["input_ids"].shape[0]) or forward(*a, **k))
     got = lm._loglikelihood_tokens(reqs, disable_tqdm=True)
-    assert sizes == [2] and seen and max(seen) == 2, (sizes, seen)
+    longest = max(len(c) + sum(len(x) for x in {tuple(x) for _, c2, x in reqs if c2 == c}) for _, c, _ in reqs)
+    assert sizes == [longest] and seen and max(seen) == 2, (sizes, longest, seen)
     for (a, ga), (b, gb) in zip(ref._loglikelihood_tokens(reqs, disable_tqdm=True), got):
         assert b == pytest.approx(a, abs=1e-5) and ga == gb
 

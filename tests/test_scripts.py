@@ -26,26 +26,34 @@ def _run(name: str, *argv: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300, cwd=REPO)
 
 
-@pytest.mark.parametrize("flag", ["--objective", "--max-tokens=1024", "--corpora", "--teacher"])
-def test_recovery_refuses_flags_each_run_sets_itself(tmp_path, flag):
+@pytest.mark.parametrize("argv, named", [(["--objective", "kd"], "--objective"), (["--max-tokens=1024"], "--max-tokens"),
+                                         (["--corpora", "c4-demo"], "--corpora"), (["--teacher", "x"], "--teacher"),
+                                         (["--objec", "kd"], "--objective")])  # argparse takes abbreviations
+def test_recovery_refuses_flags_each_run_sets_itself(tmp_path, argv, named):
     """A flag after -- came last on each run's command line and won: a row labelled lm trained with --objective kd
     (and another --max-tokens than its header said), exit 0."""
     out = tmp_path / "r.json"
     # a model that is not there: were the flag taken, the run would stop at loading it (exit 1), not run for hours
-    r = _run("recovery", "--model", str(tmp_path / "none"), "--runs", "lm", "--out", str(out), "--", flag,
-             *(["kd"] if "=" not in flag else []))
-    assert r.returncode == 2 and flag.split("=")[0] in r.stderr and "each run sets" in r.stderr, r.stderr[-2000:]
+    r = _run("recovery", "--model", str(tmp_path / "none"), "--runs", "lm", "--out", str(out), "--", *argv)
+    assert r.returncode == 2 and f"{named} after --" in r.stderr and "each run sets" in r.stderr, r.stderr[-2000:]
     assert not out.exists()
+    r = _run("recovery", "--model", str(tmp_path / "none"), "--runs", "lm", "--out", str(out), "--", "--lr", "3e-4")
+    assert r.returncode == 1 and "each run sets" not in r.stderr  # a flag of its own passes (then: no such model)
 
 
 def test_recovery_takes_the_budget_from_its_checkpoint(tmp_path):
     """--checkpoint DIR was labelled with --budget (default 0.125) whatever the checkpoint kept."""
     ckpt = tmp_path / "mla"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "transmla": {"kv_cache_ratio": 0.5}}))
+    # a QK-norm model's record counts its cached key scales (0.5078 for 0.5): the ratio asked for is the label
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "transmla": {
+        "kv_cache_ratio": 0.5078, "options": {"kv_cache_ratio": 0.5}}}))
     r = _run("recovery", "--model", str(tmp_path / "none"), "--checkpoint", str(ckpt), "--budget", "0.125", "--out",
              str(tmp_path / "r.json"))
     assert r.returncode == 2 and "keeps 0.5000 of the KV cache" in r.stderr, r.stderr[-2000:]
+    r = _run("recovery", "--model", str(tmp_path / "none"), "--checkpoint", str(ckpt), "--budget", "0.5", "--out",
+             str(tmp_path / "r.json"))
+    assert r.returncode == 1 and "KV cache" not in r.stderr  # taken (then: no such model)
 
 
 def test_recovery_index_gives_each_model_its_own_original(tmp_path):

@@ -748,6 +748,10 @@ def test_rewritten_local_gguf_is_converted_again(tmp_path, monkeypatch):
     stamp = (again / "config.json").stat().st_mtime_ns
     assert Path(sources.materialize(f"gguf:{path}", cache=tmp_path / "cache")) == again
     assert (again / "config.json").stat().st_mtime_ns == stamp, "an unchanged file is a cache hit"
+    (again / "transmla_source.json").write_text("[]")  # a damaged record (an AttributeError before): made again
+    assert sources.source_config(f"gguf:{path}", cache=tmp_path / "cache")["num_hidden_layers"] == 3
+    assert Path(sources.materialize(f"gguf:{path}", cache=tmp_path / "cache")) == again
+    assert json.loads((again / "transmla_source.json").read_text())["gguf_sha256"] == sha256_file(path)
 
 
 def _permuted_llama_gguf(path: Path, write_kv: bool, drop: tuple = (), extra=None):

@@ -145,9 +145,10 @@ class SharedContextLM(HFLM):
             for i, r in zip(alone, super()._loglikelihood_tokens([requests[i] for i in alone], disable_tqdm, override_bs)):
                 out[i] = r
         packs.sort(key=lambda p: -(len(p[0]) + sum(len(requests[i][2]) for i in p[1])))
-        # "auto": lm-eval's own detection (the largest batch of max_length sequences that fits, at most
-        # max_batch_size); a pack is at most that long (it took 8 whatever "auto" found)
-        bs = self.batch_size if isinstance(self.batch_size, int) else (override_bs or self._detect_batch_size())
+        bs = self.batch_size if isinstance(self.batch_size, int) else override_bs
+        if bs is None and packs:  # "auto" (read as 8 before): lm-eval's detection at the longest pack's length, as
+            ctx, idx = packs[0]  # its own path detects at its longest request's (packs are sorted longest first)
+            bs = self._detect_batch_size([(None, ctx, [t for i in idx for t in requests[i][2]])])
         head = self.model.get_output_embeddings()
         bar = tqdm(total=len(requests) - len(alone), disable=disable_tqdm or self.rank != 0,
                    desc="Running loglikelihood requests (shared contexts)")

@@ -299,21 +299,20 @@ def check_calibration_apart(cal_dataset: str, ppl_dataset: str, setting: str, da
     paths = [p for p in parts if p.startswith(PATH_PREFIX) and _path_of(p).exists()]
     if not paths or spec(ppl_dataset).local_file is None or not (data_dir(data_dir_override) / spec(ppl_dataset).local_file).is_file():
         return  # nothing to compare, or the set is not here (the evaluation that reads it says so)
-    probes = _probe_paragraphs(load_texts(ppl_dataset, data_dir_override, "local"))
+    scored = _long_lines(load_texts(ppl_dataset, data_dir_override, "local"))
     for p in paths:
-        text = "\n".join(path_texts(p))
-        hits = sum(q in text for q in probes)
+        hits = len(scored & _long_lines(path_texts(p)))
         if hits:
             raise TransMLAError(f"{setting} part {p!r} holds text of {ppl_dataset}, the set perplexity is measured on "
-                                f"({hits} of {len(probes)} sampled paragraphs verbatim): the conversion would be "
-                                "fitted on the text it is scored on.", fix)
+                                f"({hits} of its {len(scored)} lines of 200+ characters verbatim): the conversion "
+                                "would be fitted on the text it is scored on.", fix)
 
 
-def _probe_paragraphs(texts: list[str], min_chars: int = 200, most: int = 256) -> list[str]:
-    """Long paragraphs spread over a set, for a verbatim search: a copy of any part of it shows some; text from
-    other documents holds none (a 200-character paragraph is not repeated by chance)."""
-    long = [t.strip() for t in texts if len(t.strip()) >= min_chars]
-    return long[:: max(1, len(long) // most)][:most]
+def _long_lines(texts: list[str], min_chars: int = 200) -> set[str]:
+    """The lines of at least `min_chars` characters of some texts, stripped: a copy of a set, whole or any part of
+    it, as rows or as plain text, shares them; text from other documents shares none (such a line is not repeated
+    by chance)."""
+    return {s for t in texts for line in t.split("\n") if len(s := line.strip()) >= min_chars}
 
 
 def calibration_parts(name: str) -> list[str]:

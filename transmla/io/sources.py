@@ -399,10 +399,10 @@ def _stale(src: ModelSource, entry: Path) -> bool:
     if src.kind != "gguf":
         return False  # a pinned PyPI version's files do not change; its @sha256 is checked in _check_cached
     try:
-        recorded = json.loads((entry / METADATA_FILE).read_text()).get("gguf_sha256")
+        record = json.loads((entry / METADATA_FILE).read_text())
     except (OSError, ValueError):
         return True
-    return recorded != gguf_digest(src.location)
+    return not isinstance(record, dict) or record.get("gguf_sha256") != gguf_digest(src.location)
 
 
 def _check_cached(src: ModelSource, entry: Path) -> None:
