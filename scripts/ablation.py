@@ -273,7 +273,7 @@ def main() -> None:
                  "choose another --out, or remove it to start again")
     if res.get("rows") and res.get("model") != args.model:  # two models' rows in one table, under one original
         ap.error(f"--out {out} holds rows of {res.get('model')}, not {args.model}: choose another --out")
-    if not res.get("rows"):
+    if not same or res.get("model") != args.model:  # nothing of it to keep (an original measured, no rows yet: kept)
         res = {"model": args.model, "protocol": protocol, "rows": []}
     machine = protocol["machine"]
 
