@@ -35,7 +35,7 @@ from tasks.artifacts import STORE, canonical
 from tasks.model import resolve_model
 from tasks.releases import watch_releases
 from tasks.report import table_row
-from transmla.convert import check_conversion
+from transmla.convert import precheck
 from transmla.io.paths import check_output, write_text_atomic
 from transmla.io.releases import one_line
 from transmla.io.sources import parse_source
@@ -152,7 +152,7 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                             log.error(f"{rel['source']}: {setup_error}")
                     if setup_error is None:
                         try:  # a budget this model cannot take fails now, not after the reference evaluation
-                            check_conversion(model_ref["path"], profile.convert_options(method, budget))
+                            precheck(model_ref["path"], None, profile.convert_options(method, budget))
                         except Exception as e:  # noqa: BLE001  (one variant's failure never stops the others)
                             log.error(f"{rel['source']} {method} {budget}: failed: {one_line(e)}")
                             records.append({**rec, "status": "failed", "reason": one_line(e)})

@@ -367,17 +367,6 @@ def check_streamed_weights(model, ckpt, config, source) -> None:
     _check_loading_info(src, {"missing_keys": missing, "unexpected_keys": extra, "mismatched_keys": shapes})
 
 
-def check_conversion(source: str, o: ConvertOptions, cache=None) -> Budget | None:
-    """The budget of `o` for a source, checked from its config alone as convert() checks it before any weight
-    (an impossible rank or RoPE width is refused here); None where the config gives no shapes yet (a model type
-    alone, a hub config not reachable): the loaded model decides then."""
-    from transmla.io.sources import check_source
-
-    cfg = check_source(source, cache)
-    spec = config_spec(cfg) if cfg else None
-    return None if spec is None else check_request(spec, o)
-
-
 def plan_conversion(source: str, o: ConvertOptions, cache=None, rates: dict | None = None):
     """The conversion's plan (pipeline.plan) from the source's config alone: no weight is read.
     rates: matmul / float64-eigh FLOP/s (default: measured on o.device in about a second)."""

@@ -297,8 +297,12 @@ def check_calibration_apart(cal_dataset: str, ppl_dataset: str, setting: str, da
         raise TransMLAError(f"{setting} {cal_dataset!r} includes {ppl_dataset}, the set perplexity is measured on: "
                             "the conversion would be fitted on the text it is scored on.", fix)
     paths = [p for p in parts if p.startswith(PATH_PREFIX) and _path_of(p).exists()]
-    if not paths or spec(ppl_dataset).local_file is None or not (data_dir(data_dir_override) / spec(ppl_dataset).local_file).is_file():
-        return  # nothing to compare, or the set is not here (the evaluation that reads it says so)
+    if not paths:
+        return
+    try:
+        local_path(ppl_dataset, data_dir_override)
+    except TransMLAError:
+        return  # the set is not here to compare with (the evaluation that reads it says so)
     scored = _long_lines(load_texts(ppl_dataset, data_dir_override, "local"))
     for p in paths:
         hits = len(scored & _long_lines(path_texts(p)))

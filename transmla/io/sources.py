@@ -398,19 +398,21 @@ def _stale(src: ModelSource, entry: Path) -> bool:
     named after the path, and a new release of a local GGUF is the same path rewritten."""
     if src.kind != "gguf":
         return False  # a pinned PyPI version's files do not change; its @sha256 is checked in _check_cached
+    record = _entry_record(entry)
+    return record is None or record.get("gguf_sha256") != gguf_digest(src.location)
+
+
+def _entry_record(entry: Path) -> dict | None:
+    """A cache entry's record (transmla_source.json); None when missing or damaged (cut short, not an object)."""
     try:
         record = json.loads((entry / METADATA_FILE).read_text())
     except (OSError, ValueError):
-        return True
-    return not isinstance(record, dict) or record.get("gguf_sha256") != gguf_digest(src.location)
+        return None
+    return record if isinstance(record, dict) else None
 
 
-def _check_cached(src: ModelSource, entry: Path) -> None:
+def _check_cached(src: ModelSource, entry: Path, meta: dict) -> None:
     """Trust a cache entry only if its record names this source and, when pinned, this checksum."""
-    try:
-        meta = json.loads((entry / METADATA_FILE).read_text())
-    except ValueError:
-        meta = {}
     if meta.get("identity") != src.identity:
         raise TransMLAError(
             f"Model cache entry {entry} was made from {meta.get('identity') or meta.get('source')!r}, "
@@ -467,13 +469,10 @@ def _rebuild_reason(src: ModelSource, entry: Path) -> str | None:
         return "once"
     if _stale(src, entry):
         return "the file changed since it was cached: again"
-    try:  # a record cut short or overwritten: a damaged copy of this entry, not another source's
-        if not isinstance(json.loads((entry / METADATA_FILE).read_text()), dict):
-            raise ValueError
-    except (OSError, ValueError):
+    meta = _entry_record(entry)
+    if meta is None:  # cut short or overwritten: a damaged copy of this entry, not another source's
         return f"its {METADATA_FILE} cannot be read (damaged on disk): again"
-    _check_cached(src, entry)
-    meta = json.loads((entry / METADATA_FILE).read_text())
+    _check_cached(src, entry, meta)
     now = materializer()
     if meta.get("materializer") != now:
         was = meta.get("materializer") or {}
