@@ -91,6 +91,16 @@ def test_sampling_is_seeded_per_benchmark():
     assert sum(len(v) for k, v in p2.items() if k.startswith("offline_mmlu_")) == 60 and p2["offline_piqa"] == p1["offline_piqa"]
 
 
+def test_strata_count_the_local_files_in_hub_mode(monkeypatch):
+    """lm-eval scores the local benchmark files whatever TRANSMLA_DATA_SOURCE says, so their counts come from
+    there too: in hub mode (evaluate() has set HF_HUB_OFFLINE by then) they were asked of the hub and failed."""
+    local = task_strata(["piqa", "mmlu"], None)
+    monkeypatch.setenv("TRANSMLA_DATA_SOURCE", "hub")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert task_strata(["piqa", "mmlu"], None) == local
+
+
 def test_few_shot_from_the_scored_split_is_refused():
     with pytest.raises(TransMLAError, match="few-shot split"):
         evaluate("/nonexistent", tasks=["piqa"], num_fewshot=5)

@@ -140,16 +140,19 @@ def _write_mmlu(out: Path, base: Path, data_dir, form: str = "cloze", num_fewsho
 
 
 def task_strata(tasks, data_dir) -> dict[str, dict[str, int]]:
-    """benchmark -> {lm-eval task: number of docs in the local files} (MMLU: one task per subject)."""
+    """benchmark -> {lm-eval task: number of docs in the local files} (MMLU: one task per subject).
+
+    Always the local files, whatever TRANSMLA_DATA_SOURCE says: lm-eval scores those (write_task_yamls),
+    and the counts must describe the documents it scores."""
     strata = {}
     for t in tasks:
         if t == "mmlu":
             counts: dict[str, int] = {}
-            for r in load_rows("mmlu_test", data_dir):
+            for r in load_rows("mmlu_test", data_dir, source="local"):
                 counts[r["subject"]] = counts.get(r["subject"], 0) + 1
             strata[t] = {f"{PREFIX}mmlu_{s}": counts.get(s, 0) for s in mmlu_subjects()}
         else:
-            strata[t] = {PREFIX + t: len(load_rows(next(iter(SINGLE[t][1].values())), data_dir))}
+            strata[t] = {PREFIX + t: len(load_rows(next(iter(SINGLE[t][1].values())), data_dir, source="local"))}
     return strata
 
 
