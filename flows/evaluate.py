@@ -33,9 +33,8 @@ def evaluate_ref(profile: Profile, model_ref: dict, dtype: str = "float32", refe
     reference: the model the table compares every row with (the original): its benchmarks also score the
     superset evaluation.reference_limits."""
     ev = profile.evaluation
-    ppl = perplexity(model_ref, dataset_ref(ev.ppl_dataset), ev.ppl_seqlen, ev.ppl_max_tokens, dtype, profile.device)
-    # lm-eval reads the benchmarks from the local files whatever the data source: key them on those
-    data = [dataset_ref(n, source="local") for t in ev.tasks for n in BENCHMARK_DATA[t]]
+    ppl_data, data = evaluation_data(profile)
+    ppl = perplexity(model_ref, ppl_data, ev.ppl_seqlen, ev.ppl_max_tokens, dtype, profile.device)
     bench = benchmarks(model_ref, data, list(ev.tasks), ev.limit, ev.batch_size, ev.seed, dtype, profile.device,
                        ev.protocol, dict(ev.limits), backend_of(ev),
                        dict(ev.reference_limits) if reference else None,
@@ -43,6 +42,13 @@ def evaluate_ref(profile: Profile, model_ref: dict, dtype: str = "float32", refe
     cases = case_study(model_ref, dtype=dtype, device=profile.device)
     return {"ppl": load_json(ppl), "benchmarks": json.loads((Path(bench["path"]) / "results.json").read_text()),
             "bench_ref": bench, "case_study": load_json(cases)["rows"]}
+
+
+def evaluation_data(profile: Profile) -> tuple[dict, list[dict]]:
+    """The data refs an evaluation reads: the perplexity set's and the benchmarks' (lm-eval reads the benchmarks
+    from the local files whatever the data source: they are keyed on those)."""
+    ev = profile.evaluation
+    return dataset_ref(ev.ppl_dataset), [dataset_ref(n, source="local") for t in ev.tasks for n in BENCHMARK_DATA[t]]
 
 
 def backend_of(ev) -> dict:

@@ -41,18 +41,28 @@ from transmla.io.releases import one_line
 from transmla.io.sources import parse_source
 
 from . import _cli, layout
+from .calibrate import calibration_data
 from .convert import converted
-from .evaluate import evaluate_ref
+from .evaluate import evaluate_ref, evaluation_data
 from .params import DEFAULT_PARAMS, Profile, load_profile
 
 LEDGER = STORE / "nightly"
 STATUSES = ("converted", "skipped", "refused", "failed", "unresolved")
 
 
-def job_key(release: str, options: dict, evaluation: dict, code: str) -> str:
+def job_key(release: str, options: dict, evaluation: dict, code: str, data: str) -> str:
     payload = json.dumps({"release": release, "convert": canonical(options), "eval": canonical(evaluation),
-                          "code": code}, sort_keys=True)
+                          "code": code, "data": data}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def variant_data(profile: Profile) -> str:
+    """A hash of the data a variant reads (the calibration set, the perplexity set, the benchmarks: their
+    contents, or in hub mode their commits). In the ledger key: after a data change a release is converted and
+    scored again, not skipped onto numbers from the old data."""
+    ppl_data, bench_data = evaluation_data(profile)
+    refs = [calibration_data(profile), ppl_data, *bench_data]
+    return hashlib.sha256("\n".join(r["sha256"] for r in refs).encode()).hexdigest()
 
 
 def variant_code() -> str:
@@ -115,6 +125,7 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
     root = (Path(out_root) if out_root else layout.ARTIFACTS / "nightly").resolve()
     seen = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     code = variant_code()
+    data = variant_data(profile)  # a data file missing or refused: one error before any release is fetched
     records = []
     for entry in night.watch:
         spec = entry if isinstance(entry, str) else entry.model_dump()
@@ -135,7 +146,7 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
             for budget in night.budgets:
                 for method in night.methods:
                     key = job_key(f"{rel['source']}#{rel['release_id']}", profile.convert_options(method, budget).model_dump(),
-                                  profile.evaluation.model_dump(), code)
+                                  profile.evaluation.model_dump(), code, data)
                     entry_file = LEDGER / f"{key}.json"
                     rec = {**base, "method": method, "budget": budget, "key": key}
                     done_before = json.loads(entry_file.read_text()) if entry_file.is_file() else None

@@ -443,6 +443,34 @@ def test_a_release_done_by_older_code_is_converted_again_once(tmp_path, make_mod
     assert len(fast_variants["converted"]) == 3
 
 
+def test_a_release_scored_on_older_data_is_converted_again_once(tmp_path, make_model, monkeypatch, fast_variants):
+    """The ledger key holds the data a variant reads: after a change to the calibration set, the perplexity set or
+    a benchmark file the next night converts and scores the release again, once. Keyed without it, the night
+    reported "skipped" with the numbers of the old data."""
+    import flows.nightly as N
+    from transmla.io.paths import data_dir
+
+    monkeypatch.chdir(tmp_path)
+    data, offline = tmp_path / "data", data_dir()
+    for f in offline.rglob("*.jsonl"):  # a data dir of links to the offline data, files edited below
+        (data / f.relative_to(offline)).parent.mkdir(parents=True, exist_ok=True)
+        (data / f.relative_to(offline)).symlink_to(f)
+    monkeypatch.setenv("TRANSMLA_DATA_DIR", str(data))
+    a = make_model("a", seed=1)
+    prof = _profile(tmp_path, [str(a)])
+    assert [r["status"] for r in N.nightly(prof)] == ["converted"]
+    assert [r["status"] for r in N.nightly(prof)] == ["skipped"]
+    for rel in ("wikitext2/train_partial.jsonl", "wikitext2/test.jsonl", "benchmarks/arc_easy_test.jsonl"):
+        lines = (data / rel).read_text().splitlines(keepends=True)
+        (data / rel).unlink()
+        (data / rel).write_text("".join(lines[:-1]))  # one row fewer
+        assert [r["status"] for r in N.nightly(prof)] == ["converted"], rel
+        assert [r["status"] for r in N.nightly(prof)] == ["skipped"], rel
+    (data / "benchmarks/piqa_validation.jsonl").write_text("")  # a benchmark the profile does not run
+    assert [r["status"] for r in N.nightly(prof)] == ["skipped"]
+    assert len(fast_variants["converted"]) == 4
+
+
 def test_unreachable_index_is_unresolved_and_fails_the_night(tmp_path, monkeypatch, capsys):
     """An index that cannot be reached is not the converter's refusal: the release is unresolved, and the
     night exits 1 (a refusal alone does not)."""
