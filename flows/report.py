@@ -11,6 +11,7 @@ from prefect import flow
 
 from tasks import tracking
 from tasks.report import case_study, table1
+from transmla.config import PAPER_TRANSMLA
 from transmla.errors import TransMLAError
 from transmla.evaluation.benchmarks import PROTOCOL_NOTE
 from transmla.evaluation.stats import AVERAGE_WEIGHTS, worst_case_average_se
@@ -82,6 +83,37 @@ def ppl_label(dataset: str) -> str:
     return {"wikitext2-test": "WikiText-2 test"}.get(dataset, dataset)
 
 
+def transmla_steps(o) -> str:
+    """The conversion steps a TransMLA row's options run, in the paper's terms."""
+    return ("RoRoPE" + (f" + FreqFold {o.freqfold}" if o.freqfold > 1 else "")
+            + (f" + BKV ({o.pca} PCA)" if o.balance_kv else f" + joint KV PCA ({o.pca}, no BKV)"))
+
+
+def transmla_note(o, paper_steps: str | None = None) -> str:
+    """What a TransMLA row's options do (read from the options: a methods entry changed in params is described
+    as it ran, not as the default runs). paper_steps: the paper row's steps, named "the same steps" when equal."""
+    steps = transmla_steps(o)
+    text = "the same steps" if steps == paper_steps else steps
+    text += {"parallel": ", statistics of the original model",
+             "two_pass": ", statistics of the original model recomputed with RoPE dropped (the authors' code)",
+             "sequential": " calibrated layer by layer on the converted model"}[o.calibration]
+    if o.attention_aware:
+        text += ", in attention's metric"
+    if o.refit:
+        text += ", with each layer's W_UV and o_proj refit jointly by least squares to the original layer's output"
+    if o.rorope_metric == "query":
+        text += ", RoRoPE components ranked by the score energy the queries read"
+    paper = all(getattr(o, k) == v for k, v in PAPER_TRANSMLA.items())
+    return text + (" (the paper)" if paper else " (this project)")
+
+
+def methods_note(methods) -> str:
+    """The Calibration note's description of the three rows, from methods.* as the conversions ran them."""
+    return (f"TransMLA = {transmla_note(methods.transmla)}; TransMLA + seq. refit = "
+            f"{transmla_note(methods.transmla_refit, transmla_steps(methods.transmla))}; "
+            "MHA2MLA = 2-norm RoPE selection + joint SVD of the weights")
+
+
 def sample_note(ev, rows: list[dict] = ()) -> str:
     """What the table's benchmark sample is, and the average's standard error it guarantees. Each count is
     capped by the benchmark's size where the rows record it (OpenBookQA has 500 documents, whatever a limit of
@@ -119,13 +151,7 @@ def report(profile: Profile) -> str:
         "KV Mem. = change of the per-token KV cache (original: 2 x kv_heads x head_dim values per layer; "
         "MLA: kv_lora_rank + qk_rope_head_dim, the 'RoPE + rank' column).",
         f"Calibration: {profile.calibration.nsamples} x {profile.calibration.seqlen} tokens of "
-        f"{profile.calibration.dataset}; TransMLA = RoRoPE + FreqFold {profile.methods.transmla.freqfold} + "
-        f"BKV ({profile.methods.transmla.pca} PCA), statistics of the original model (the paper); "
-        "TransMLA + seq. refit = the same steps calibrated layer by layer on the converted model, in attention's "
-        "metric, with each layer's W_UV and o_proj refit jointly by least squares to the original layer's output"
-        + (", RoRoPE components ranked by the score energy the queries read"
-           if profile.methods.transmla_refit.rorope_metric == "query" else "") + " (this project); "
-        "MHA2MLA = 2-norm RoPE selection + joint SVD of the weights.",
+        f"{profile.calibration.dataset}; {methods_note(profile.methods)}.",
         "Tokens = fine-tuning tokens after conversion and the objective in brackets (lm: next-token cross-entropy; "
         "kd: distillation from the original model; kd+lm: both; 0: conversion only; the paper's rows use 300M-6B tokens of lm).",
     ]

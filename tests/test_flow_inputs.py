@@ -430,6 +430,27 @@ def test_the_table_names_the_perplexity_set_the_params_score(tmp_path):
     assert "| Tokens | WikiText-2 ppl |" in table1.fn([], {}, [], tmp_path / "t.md", ppl_label("wikitext2-test"))
 
 
+def test_the_table_describes_the_methods_as_the_params_ran_them():
+    """The Calibration note was fixed text ("BKV", "statistics of the original model", "refit jointly"): with
+    methods.* changed in params (the report stage tracks them) it described conversions that never ran."""
+    from flows.params import load_profile
+    from flows.report import methods_note
+
+    default = methods_note(load_profile(DEFAULT).methods)
+    assert default.startswith("TransMLA = RoRoPE + FreqFold 4 + BKV (activations PCA), statistics of the original "
+                              "model (the paper); TransMLA + seq. refit = the same steps calibrated layer by layer")
+    assert "refit jointly by least squares" in default and default.count("(this project)") == 1
+    changed = methods_note(load_profile(DEFAULT, {
+        "methods.transmla.calibration": "sequential", "methods.transmla.balance_kv": False,
+        "methods.transmla-refit.refit": False, "methods.transmla-refit.calibration": "parallel",
+        "methods.transmla-refit.freqfold": 1}).methods)
+    paper, refit = changed.split("; ")[:2]
+    assert paper == ("TransMLA = RoRoPE + FreqFold 4 + joint KV PCA (activations, no BKV) calibrated layer by layer on "
+                     "the converted model (this project)")
+    assert refit == ("TransMLA + seq. refit = RoRoPE + BKV (activations PCA), statistics of the original model, in "
+                     "attention's metric, RoRoPE components ranked by the score energy the queries read (this project)")
+
+
 def test_the_sample_note_counts_the_documents_there_are_of_the_benchmarks_run():
     """A limit of 1000 was printed as 1000 OpenBookQA documents (it has 500) with the standard error of that
     sample; a reference limit of a benchmark not in tasks was printed as a sample the Original rows scored."""
