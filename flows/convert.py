@@ -51,7 +51,7 @@ def converted(profile: Profile, model_ref: dict, o: ConvertOptions, out: str, st
         stats = file_ref(stats_file) if stats_file else stats_for(profile, model_ref)
     if o.streamed:  # layer l depends on the converted layers before it: one task, in layer order
         streamed = streamed_layers(model_ref, calibration_data(profile), stats, list(b.plan), b.kv_lora_rank,
-                                   o.model_dump())
+                                   o.stream_options())
         return export_checkpoint(model_ref, None, [], [], o.model_dump(), out, streamed, replace)
     rotations, bases = layer_steps(model_ref, stats, o)
     return export_checkpoint(model_ref, stats, rotations, bases, o.model_dump(), out, replace=replace)

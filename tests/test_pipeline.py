@@ -267,6 +267,13 @@ def test_streamed_row_is_one_cached_task(tmp_path, tiny_dir, monkeypatch):
     assert count.take() == {"streamed": 1}
     assert run("transmla-refit")["sha256"] == first["sha256"]
     assert count.take() == {}
+    # the step builds float64 layers on the CPU from the plan and rank: the export's dtype is not one of its inputs
+    # (keyed on every option, a bfloat16 export recomputed the whole stream); the calibration seed is
+    for overrides, recomputed in (({"export.dtype": "bfloat16"}, {}), ({"calibration.seed": 7}, {"streamed": 1})):
+        other = load_profile(write_profile(tmp_path, tiny_dir, pipeline={"methods": ["transmla", "transmla-refit"]}),
+                             overrides)
+        convert(other, "tiny", "transmla-refit", 0.25, out=str(tmp_path / f"other-{len(recomputed)}"))
+        assert count.take() == recomputed, overrides
     rec = first["transmla"]
     assert (rec["options"]["calibration"], rec["options"]["refit"], rec["options"]["attention_aware"]) == (
         "sequential", True, True)

@@ -269,6 +269,14 @@ class ConvertOptions(Options):
         n = self.normalized()
         return {"method": n.method, "balance_kv": n.balance_kv, "pca": n.pca, "attention_aware": n.attention_aware}
 
+    def stream_options(self) -> dict:
+        """What the layer-streamed conversion step depends on (besides weights, the calibration data, statistics,
+        the RoPE plan and rank): the method's options, the calibration sizes and seed, the query rank, the latent
+        norm's eps. Not the export's dtype, the device, the load mode or the budget's spelling: the step builds
+        every layer in float64 on the CPU from the plan and rank, so those would only split its cache."""
+        drop = ("kv_cache_ratio", "qk_rope_dim", "kv_lora_rank", "cal_dataset", "dtype", "device", "load")
+        return {k: v for k, v in self.normalized().model_dump().items() if k not in drop}
+
     def used(self) -> dict:
         """The options this method actually uses (tracking): no fields the method ignores, no unset shorthands."""
         n = self.normalized().model_dump()
