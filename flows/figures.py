@@ -43,10 +43,18 @@ def _ppl(profile: Profile, model_ref, stats, o) -> float:
     return load_json(ref)["ppl"]
 
 
+def figure_options(profile: Profile, method: str, budget: float | None, **explicit):
+    """The ConvertOptions of one figure point: methods.<method> as params give it, calibrated on the original
+    model's statistics without a refit, as the paper's figures are (and as _ppl builds them: from the per-layer
+    steps; a layer-streamed methods entry was keyed as one and ran as this)."""
+    o = profile.convert_options(method, budget, **explicit)
+    return o.replace(calibration="parallel", refit=False) if method == "transmla" else o  # MHA2MLA: normalized so
+
+
 def _fig4b_options(profile: Profile, spec, R: int):
     """(curve label, ConvertOptions) of Fig. 4b's three conversions at RoPE dim R, full KV rank."""
     f, full = profile.figures, 2 * spec.g * spec.d
-    return [(label, profile.convert_options(method, None, qk_rope_dim=R, kv_lora_rank=full - R, freqfold=fold))
+    return [(label, figure_options(profile, method, None, qk_rope_dim=R, kv_lora_rank=full - R, freqfold=fold))
             for label, method, fold in (("MHA2MLA (2-norm)", "mha2mla", 1), ("RoRoPE", "transmla", 1),
                                         (f"RoRoPE + FreqFold {f.freqfold}", "transmla", f.freqfold))]
 
@@ -66,7 +74,7 @@ def check_figures(profile: Profile, spec) -> None:
         for _, o in _fig4b_options(profile, spec, R):
             resolve_budget(spec, o)
     try:
-        resolve_budget(spec, profile.convert_options("transmla", f.fig5_budget, balance_kv=True))
+        resolve_budget(spec, figure_options(profile, "transmla", f.fig5_budget, balance_kv=True))
     except TransMLAError as e:  # the budget's own fix names --kv-cache-ratio; a freqfold error keeps its own
         fix = "raise figures.fig5_budget." if "kv_cache_ratio" in e.problem else e.fix
         raise TransMLAError(f"figures.fig5_budget={f.fig5_budget:g}: {e.problem}", fix) from None
@@ -107,9 +115,9 @@ def figures(profile: Profile, model: str, stats_file: str | None = None, out_dir
     ppl5 = {}
     for pca in ("weights", "activations"):
         for bkv in (False, True):
-            o = profile.convert_options("transmla", f.fig5_budget, pca=pca, balance_kv=bkv)
+            o = figure_options(profile, "transmla", f.fig5_budget, pca=pca, balance_kv=bkv)
             ppl5[f"{pca}{' + BKV' if bkv else ''}"] = _ppl(profile, model_ref, stats, o)
-    o = profile.convert_options("transmla", f.fig5_budget, balance_kv=True)
+    o = figure_options(profile, "transmla", f.fig5_budget, balance_kv=True)
     budget = resolve_budget(spec, o)
     rotations, bases = layer_steps(model_ref, stats, o)  # cached: the "+ BKV" point above made them
     alpha = basis_of(bases[L]).alpha

@@ -451,6 +451,22 @@ def test_the_table_describes_the_methods_as_the_params_ran_them():
                      "attention's metric, RoRoPE components ranked by the score energy the queries read (this project)")
 
 
+def test_the_figures_are_keyed_on_the_conversions_they_run():
+    """The figures build every point from the per-layer steps on the original model's statistics (the paper's
+    figures): with methods.transmla made layer-streamed, the points were keyed on a sequential refit that never
+    ran. Their options now say what runs; the default profile's are unchanged (its cached points stay valid)."""
+    from flows.figures import figure_options
+    from flows.params import load_profile
+
+    default = load_profile(DEFAULT)
+    for method in ("transmla", "mha2mla"):
+        assert figure_options(default, method, 0.25) == default.convert_options(method, 0.25)
+    streamed = load_profile(DEFAULT, {"methods.transmla.calibration": "sequential", "methods.transmla.refit": True,
+                                      "methods.transmla.freqfold": 2})
+    o = figure_options(streamed, "transmla", 0.25, balance_kv=False)
+    assert (o.calibration, o.refit, o.streamed, o.freqfold, o.balance_kv) == ("parallel", False, False, 2, False)
+
+
 def test_the_sample_note_counts_the_documents_there_are_of_the_benchmarks_run():
     """A limit of 1000 was printed as 1000 OpenBookQA documents (it has 500) with the standard error of that
     sample; a reference limit of a benchmark not in tasks was printed as a sample the Original rows scored."""
