@@ -172,7 +172,7 @@ class FinetuneParams(FinetuneConfig):
 
     methods: tuple[Row, ...] = ("transmla",)
     budgets: tuple[float, ...] = ()  # () = no fine-tune stage
-    corpora: tuple[str, ...] = FINETUNE_CORPORA
+    corpora: tuple[str, ...] = Field(FINETUNE_CORPORA, min_length=1)  # none: the stage failed after the conversions
 
     _decimal = field_validator("budgets", mode="before")(_decimal_budgets)
     max_documents: int | None = Field(None, ge=1)  # per corpus; hub corpora are streamed up to it
