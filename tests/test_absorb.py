@@ -283,7 +283,7 @@ def test_float16_decode_scores_past_its_range(kernel, monkeypatch):
     is not: every kernel gives the float64 attention (the bmm path rounded the raw scores to float16 before
     scaling them: inf, then NaN)."""
     from transmla.runtime import absorb
-    from transmla.runtime.absorb import latent_attention
+    from transmla.runtime.absorb import latent_attention, scaled_latent_attention
 
     monkeypatch.setattr(absorb, "DECODE_KERNEL", kernel)
     g = torch.Generator().manual_seed(0)
@@ -299,6 +299,16 @@ def test_float16_decode_scores_past_its_range(kernel, monkeypatch):
     ref = torch.softmax(scores, -1) @ latent.double()[..., :r]
     got = latent_attention(query.half(), latent.half(), None, scaling, r)
     assert got.isfinite().all()
+    assert (got.double()[:, :, 0] - ref).abs().max() < 1e-2
+    # the key-scaled / soft-capped form (Qwen3, Gemma 2) likewise: it multiplied the float16 product by the scale
+    key_scale = 1 + torch.rand(B, h, T, 1, generator=g)
+    ref = torch.softmax(scores * key_scale.double()[..., 0], -1) @ latent.double()[..., :r]
+    got = scaled_latent_attention(query.half(), latent.half(), key_scale.half(), None, scaling, r)
+    assert got.isfinite().all()
+    assert (got.double()[:, :, 0] - ref).abs().max() < 1e-2
+    cap = 50.0
+    ref = torch.softmax(torch.tanh(scores / cap) * cap, -1) @ latent.double()[..., :r]
+    got = scaled_latent_attention(query.half(), latent.half(), None, None, scaling, r, softcap=cap)
     assert (got.double()[:, :, 0] - ref).abs().max() < 1e-2
 
 

@@ -457,8 +457,11 @@ def scaled_latent_attention(query: torch.Tensor, latent: torch.Tensor, key_scale
     """
     B, h, S, _ = query.shape
     T = latent.shape[1]
-    scores = torch.matmul(query, latent.unsqueeze(1).transpose(-1, -2)).float()  # [B, h, S, T]
-    scores = scores * (scaling if key_scale is None else key_scale.transpose(-1, -2).float() * scaling)
+    # scaled before the product, in the input dtype: a float16 raw score q.k can pass 65504 where the scaled
+    # one does not (inf, then NaN), as stock SDPA's kernel, which scales inside, never does
+    scores = torch.matmul(query * scaling, latent.unsqueeze(1).transpose(-1, -2)).float()  # [B, h, S, T]
+    if key_scale is not None:
+        scores = scores * key_scale.transpose(-1, -2).float()
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is None:  # causal, query s at the cache's token q_offset + s (as in latent_attention)
