@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import ast
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,6 +98,20 @@ def test_pad_checkpoint_round_trip(tiny_exports, tmp_path, tiny_model_dir):
     assert (_logprobs(plain, ids) - _logprobs(ref, ids)).abs().max() < 1e-4
     with pytest.raises(TransMLAError, match="exists and is not empty"):
         pad_checkpoint(root / "mla", out)
+
+
+def test_pad_refuses_a_checkpoint_without_its_weights(tiny_exports, tmp_path):
+    """A checkpoint folder holding config.json and the tokenizer but no weight files (an interrupted copy) was read
+    as an empty state dict and the padding died on a KeyError. Now one error, and no output folder."""
+    root, _ = tiny_exports
+    broken = tmp_path / "broken"
+    shutil.copytree(root / "mla", broken, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(TransMLAError, match="has no safetensors weights") as e:
+        pad_checkpoint(broken, tmp_path / "out")
+    assert "transmla convert" in e.value.fix and not (tmp_path / "out").exists()
+    r = subprocess.run([sys.executable, "-m", "transmla.runtime.serving", str(broken), str(tmp_path / "out")],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "has no safetensors weights" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("kw, words", [

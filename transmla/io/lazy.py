@@ -29,6 +29,29 @@ _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16
               "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
 
 
+def safetensors_files(model_dir: str | Path) -> list[str] | None:
+    """The safetensors files transformers' from_pretrained reads from a folder: model.safetensors first (a sharded
+    save_pretrained followed by an unsharded one leaves the old index behind), else the shards its index names;
+    None: neither file. A shard the index names but the folder lacks is refused here, not as a missing tensor."""
+    d = Path(model_dir)
+    if (d / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    if not (d / INDEX).is_file():
+        return None
+    try:
+        files = sorted(set(json.loads((d / INDEX).read_text()).get("weight_map", {}).values()))
+    except (ValueError, AttributeError, UnicodeDecodeError) as e:
+        raise TransMLAError(f"{d / INDEX} is not a readable weight index ({e}).",
+                            "copy or download the model's model.safetensors.index.json again.") from None
+    missing = [f for f in files if not (d / f).is_file()]
+    if missing or not files:
+        raise TransMLAError(
+            f"{d} is missing weight shards named in {INDEX}: "
+            f"{', '.join(missing[:3]) or 'its weight_map is empty'}{' ...' if len(missing) > 3 else ''}.",
+            "copy or download the missing shard files into the directory.")
+    return files
+
+
 class LazyCheckpoint:
     """The tensors of a safetensors Hugging Face directory (one file or sharded with an index), by name.
 
@@ -39,13 +62,9 @@ class LazyCheckpoint:
 
     def __init__(self, model_dir: str | Path):
         self.dir = Path(model_dir)
-        # model.safetensors first, as transformers' from_pretrained reads a folder: a sharded save_pretrained
-        # followed by an unsharded one leaves the old index behind, and both load modes must read the same weights
-        if (self.dir / "model.safetensors").is_file():
-            files = ["model.safetensors"]
-        elif (self.dir / INDEX).is_file():
-            files = sorted(set(json.loads((self.dir / INDEX).read_text())["weight_map"].values()))
-        else:
+        # the files from_pretrained reads: both load modes must read the same weights
+        files = safetensors_files(self.dir)
+        if files is None:
             raise TransMLAError(f"{self.dir} has no safetensors weights (model.safetensors or {INDEX}).",
                                 "layer-streamed conversion reads local safetensors: fetch the model first "
                                 "(transmla fetch-model SOURCE --out DIR) or use `load: model`.")

@@ -38,6 +38,7 @@ from pathlib import Path
 from transmla.errors import TransMLAError
 from transmla.io import pypi
 from transmla.io.paths import atomic_dir, cache_dir, new_output_dir
+from transmla.io.lazy import safetensors_files
 
 DEFAULT_SOURCE = "smollm2-135m"
 METADATA_FILE = "transmla_source.json"
@@ -768,14 +769,8 @@ def check_model_dir(path: Path) -> None:
             "or copy / download the weight files into it.",
         )
     if "model.safetensors" not in names:  # sharded: every shard the index names must be there
-        index = _read_config(path / "model.safetensors.index.json")
-        missing = sorted({f for f in index.get("weight_map", {}).values() if not (path / f).is_file()})
-        if missing or not index.get("weight_map"):
-            raise TransMLAError(
-                f"{path} is missing weight shards named in model.safetensors.index.json: "
-                f"{', '.join(missing[:3]) or 'its weight_map is empty'}{' ...' if len(missing) > 3 else ''}.",
-                "copy or download the missing shard files into the directory.",
-            )
+        _read_config(path / "model.safetensors.index.json")  # a corrupt index: refused as a corrupt JSON file
+        safetensors_files(path)
     if not any(next(path.glob(pat), None) for pat in TOKENIZER_PATTERNS):
         raise TransMLAError(
             f"{path} has no tokenizer files (none of {', '.join(TOKENIZER_PATTERNS)}).",

@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from transmla.errors import TransMLAError
+from transmla.io.lazy import safetensors_files
 
 
 VLLM_KV_LORA_RANK = 512  # vLLM CPU_MLA decode kernel: the only supported sizes
@@ -271,9 +272,14 @@ def load_checkpoint(src_dir: str | Path):
     if not (src / "config.json").is_file():
         raise TransMLAError(f"{src} is not a model directory (no config.json).", "pass the output dir of `transmla convert`.")
     config = AutoConfig.from_pretrained(src)
+    files = safetensors_files(src)  # the files from_pretrained reads (a leftover shard is not one of them)
+    if files is None:
+        raise TransMLAError(f"{src} has no safetensors weights (model.safetensors or model.safetensors.index.json).",
+                            "pass a complete checkpoint directory written by `transmla convert` (or copy its weight "
+                            "files into it).")
     sd: dict[str, torch.Tensor] = {}
-    for f in sorted(src.glob("*.safetensors")):
-        sd.update(load_file(f))
+    for f in files:
+        sd.update(load_file(src / f))
     try:
         tok = AutoTokenizer.from_pretrained(src)
     except (OSError, ValueError):
