@@ -223,10 +223,18 @@ def build_mla_layer(
         check_q_lora_rank(q_lora_rank, h, d, R, D, q_bias=bq is not None)
         Sq = affine_second_moment(wq, bq, xx, mu)
         vals, vecs = eigh_desc(Sq)
-        Pq = vecs[:, :q_lora_rank]
+        if q_lora_rank >= min(h * d, D + int(bq is not None)):
+            # every direction the queries use is kept: the weights' column space, exactly. The calibration's
+            # eigenvectors span it only with at least D tokens; with fewer, Sq is rank-deficient and its null-space
+            # eigenvectors are arbitrary, dropping directions the weights use (a wrong model with q_energy 1.0).
+            A = wq if bq is None else torch.cat([wq, bq[:, None]], 1)
+            Pq = torch.linalg.svd(A, full_matrices=False)[0][:, :q_lora_rank]
+        else:
+            Pq = vecs[:, :q_lora_rank]
         qa, qa_b, qb = Pq.T @ wq, (Pq.T @ bq if bq is not None else None), Pq
-        mean_sq = vals[:q_lora_rank].clamp_min(0).sum().item() / q_lora_rank
-        diag["q_energy"] = vals[:q_lora_rank].clamp_min(0).sum().item() / vals.clamp_min(0).sum().item()
+        kept = torch.einsum("ik,ij,jk->", Pq, Sq, Pq).clamp_min(0).item()  # trace(Pq^T Sq Pq)
+        mean_sq = kept / q_lora_rank
+        diag["q_energy"] = kept / vals.clamp_min(0).sum().item()
     s_q = norm_identity_scale(mean_sq, norm_eps)
     layer.q_a_proj = qa / s_q
     layer.q_a_bias = (qa_b / s_q if qa_b is not None else torch.zeros(qa.shape[0], dtype=torch.float64)) if has_bias else None
