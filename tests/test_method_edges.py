@@ -277,3 +277,19 @@ def test_freqfold_checked_as_the_method_uses_it():
 def test_odd_head_dim_is_refused(opts):
     with pytest.raises(TransMLAError, match="head_dim=15 is odd.*Fix: check head_dim"):
         resolve_budget(_spec(4, 2, 15, 64), ConvertOptions(**opts))
+
+
+@pytest.mark.parametrize("r", [24, 40])  # r <= d and r > d, both above D
+def test_refit_factors_a_head_wider_than_the_model(r):
+    """A model narrower than its heads (D = 16 < d = 32) has at most D singular vectors per head's composite
+    M_i [D, r]: factor_head assumed min(r, d) of them and the default mode (refit) crashed after the whole
+    calibration. M_i has rank <= D <= d, so the factors are exact."""
+    from transmla.method.refit import factor_head
+
+    g = torch.Generator().manual_seed(0)
+    D, d = 16, 32
+    mi = torch.randn(D, r, generator=g, dtype=torch.float64)
+    z = torch.randn(4 * r, r, generator=g, dtype=torch.float64)
+    o, w = factor_head(mi, z.T @ z / len(z), d)
+    assert o.shape == (D, d) and w.shape == (d, r)
+    assert torch.allclose(o @ w, mi, atol=1e-10)

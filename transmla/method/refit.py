@@ -79,13 +79,16 @@ def factor_head(mi: torch.Tensor, zz_i: torch.Tensor, d: int) -> tuple[torch.Ten
     D, r = mi.shape
     o = torch.zeros(D, d, dtype=torch.float64)
     w = torch.zeros(d, r, dtype=torch.float64)
+    # k = min(D, r) singular vectors at most: a model narrower than its heads (D < d) has fewer than d or r
     if r <= d:
-        U, S, Vh = torch.linalg.svd(mi, full_matrices=False)  # U [D, r]
-        o[:, :r], w[:r] = U, S[:, None] * Vh
+        U, S, Vh = torch.linalg.svd(mi, full_matrices=False)  # U [D, min(D, r)]
+        k = U.shape[1]
+        o[:, :k], w[:k] = U, S[:, None] * Vh
         return o, w
     half, inv_half = psd_pow(zz_i, 0.5), psd_pow(zz_i, -0.5)
     U, S, Vh = torch.linalg.svd(mi @ half, full_matrices=False)
-    o[:], w[:] = U[:, :d], (S[:d, None] * Vh[:d]) @ inv_half
+    k = min(U.shape[1], d)
+    o[:, :k], w[:k] = U[:, :k], (S[:k, None] * Vh[:k]) @ inv_half
     return o, w
 
 
