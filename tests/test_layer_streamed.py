@@ -236,6 +236,12 @@ def test_renamed_checkpoint_tensors_are_refused_before_work(tmp_path, tiny_token
     with pytest.raises(TransMLAError, match="--load model"):
         convert(str(src), out, ConvertOptions(load="layers", qk_rope_dim=8, kv_lora_rank=12), progress=False)
     assert not out.exists()
+    # the dry run refuses it too (it printed a plan and exited 0, for a run that then refused)
+    from transmla.cli import main
+
+    assert main(["convert", "--model", str(src), "--out", str(out), "--load", "layers", "--qk-rope-dim", "8",
+                 "--kv-lora-rank", "12", "--dry-run"]) == 2
+    assert not out.exists()
 
 
 def test_embedding_rows_and_lazy_tensors_equal_the_stored_tensor(tiny_model_dir, tmp_path):

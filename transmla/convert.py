@@ -158,6 +158,7 @@ def precheck(source: str, out: str | Path | None, o: ConvertOptions, cache=None,
     from transmla.devices import check_device
     from transmla.io.data import check_calibration_files
     from transmla.io.paths import check_output
+    from transmla.io.lazy import safetensors_files
     from transmla.io.sources import check_model_dir, check_source, parse_source
 
     check_device(o.device, "device", "use device cpu")  # the CLI checks --device; a library call reached torch's own error
@@ -178,6 +179,14 @@ def precheck(source: str, out: str | Path | None, o: ConvertOptions, cache=None,
                             "float release.")
     if src.kind == "dir" and weights:
         check_model_dir(Path(src.location))
+    if o.load == "layers" and src.kind == "dir" and safetensors_files(src.location):  # the dry run too: headers only
+        from transformers import AutoConfig
+
+        import transmla.models  # noqa: F401  (this package's config classes, for converted sources)
+        from transmla.io.lazy import LazyCheckpoint, skeleton
+
+        config = AutoConfig.from_pretrained(src.location)
+        check_streamable(skeleton(config), LazyCheckpoint(src.location), config, src)
     return out
 
 
@@ -244,7 +253,6 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
     from transformers import AutoConfig, AutoTokenizer
 
     from transmla.adapters import shared_state_dict
-    from transmla.errors import TransMLAError
     from transmla.io.export import read_generation, write_checkpoint_parts
     from transmla.io.lazy import LazyCheckpoint, load_module, release_module, skeleton
     from transmla.io.sources import HUB_FILES, HUB_SKIP, ModelSource, check_tokenizer_fits, materialize, parse_source
@@ -266,15 +274,7 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
     dtype = getattr(torch, o.dtype)
     model = skeleton(config)
     decoder = model.model.layers
-    # a checkpoint whose layer tensors transformers renames or fuses on load (Mixtral's per-expert
-    # weights) cannot be read tensor by tensor: refused before any work
-    missing = [n for n, _ in decoder[0].named_parameters() if f"model.layers.0.{n}" not in ckpt]
-    if missing:
-        raise TransMLAError(
-            f"load=layers reads each layer's tensors under the model's own names; {ckpt.dir} stores "
-            f"{', '.join(missing[:3])} under other names (transformers converts them when it loads the whole model).",
-            "use --load model (load: model) for this checkpoint.")
-    check_streamed_weights(model, ckpt, config, source)
+    check_streamable(model, ckpt, config, source)
     check_tokenizer_fits(str(source), tok, model.model.embed_tokens.num_embeddings)
     ids = calibration_windows(tok, o, data_dir)
     trim_heap()
@@ -343,6 +343,19 @@ def convert_layer_streamed(source: str, out: Path, o: ConvertOptions, info: dict
     metadata = conversion_metadata(info, spec, budget, o, diags, ids.numel())
     return {**metadata, "calibration_seconds": None, "compute_seconds": round(compute_seconds, 2),
             "compute_cpu_seconds": round(compute_cpu, 2), "seconds": round(time.perf_counter() - t0, 2), **_peaks(data_peak)}
+
+
+def check_streamable(model, ckpt, config, source) -> None:
+    """Refuse, from the safetensors headers, a checkpoint the layer-streamed load cannot read: layer tensors that
+    transformers renames or fuses on load (Mixtral's per-expert weights cannot be read tensor by tensor), then
+    check_streamed_weights. model: the config's skeleton (io.lazy.skeleton)."""
+    missing = [n for n, _ in model.model.layers[0].named_parameters() if f"model.layers.0.{n}" not in ckpt]
+    if missing:
+        raise TransMLAError(
+            f"load=layers reads each layer's tensors under the model's own names; {ckpt.dir} stores "
+            f"{', '.join(missing[:3])} under other names (transformers converts them when it loads the whole model).",
+            "use --load model (load: model) for this checkpoint.")
+    check_streamed_weights(model, ckpt, config, source)
 
 
 def check_streamed_weights(model, ckpt, config, source) -> None:

@@ -52,7 +52,8 @@ def check_mode(spec: GQASpec, o: ConvertOptions) -> None:
         raise TransMLAError("The two-pass mode's RoPE-dropped layers are not built for QK-norm models.",
                             "use --calibration sequential (the default) or parallel.")
     if spec.qk_norm and o.q_lora_rank is not None:
-        raise TransMLAError("--q-lora-rank cannot be combined with Qwen3's QK-norm (its q-LoRA path holds the query norm).",
+        raise TransMLAError("--q-lora-rank cannot be combined with the QK-norm of Qwen3 or Gemma 3 (its q-LoRA path "
+                            "holds the query norm).",
                             "drop --q-lora-rank.")
 
 
