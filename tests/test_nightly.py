@@ -452,7 +452,8 @@ def test_a_release_scored_on_older_data_is_converted_again_once(tmp_path, make_m
 
     monkeypatch.chdir(tmp_path)
     data, offline = tmp_path / "data", data_dir()
-    for f in offline.rglob("*.jsonl"):  # a data dir of links to the offline data, files edited below
+    # a data dir of links to the offline data; a file edited below is unlinked first and written as its own copy
+    for f in offline.rglob("*.jsonl"):
         (data / f.relative_to(offline)).parent.mkdir(parents=True, exist_ok=True)
         (data / f.relative_to(offline)).symlink_to(f)
     monkeypatch.setenv("TRANSMLA_DATA_DIR", str(data))
@@ -466,6 +467,7 @@ def test_a_release_scored_on_older_data_is_converted_again_once(tmp_path, make_m
         (data / rel).write_text("".join(lines[:-1]))  # one row fewer
         assert [r["status"] for r in N.nightly(prof)] == ["converted"], rel
         assert [r["status"] for r in N.nightly(prof)] == ["skipped"], rel
+    (data / "benchmarks/piqa_validation.jsonl").unlink()  # a link to the offline data: never written through
     (data / "benchmarks/piqa_validation.jsonl").write_text("")  # a benchmark the profile does not run
     assert [r["status"] for r in N.nightly(prof)] == ["skipped"]
     assert len(fast_variants["converted"]) == 4
