@@ -65,6 +65,8 @@ def convert(profile: Profile, model: str, method: str, budget: float, out: str |
     # a pipeline output (a DVC out) is replaced, as dvc repro does; a user's --out never
     ckpt = converted(profile, model_ref, o, str(out or layout.checkpoint_dir(model, method, budget)), stats_file,
                      replace=out is None)
+    if out is not None:  # a one-off run: never the pipeline's MLflow run (its params and metrics are the pipeline's)
+        return ckpt
     info = ckpt["transmla"]
     # the run is replaced when the model behind the name changes too (its params are write-once: a reused run
     # kept the first source beside the new metrics)
@@ -80,6 +82,7 @@ def convert(profile: Profile, model: str, method: str, budget: float, out: str |
 
 
 if __name__ == "__main__":
-    _cli.entry(convert, __doc__, variant=True, new_outputs={"out": "new_dir"},
+    _cli.entry(convert, __doc__, variant=True, new_outputs={"out": "new_dir"}, tracked="out",
                stats_file="calibration statistics file (default: computed, cached)",
-               out="checkpoint directory (default artifacts/<model>/<method>-<budget>/model)")
+               out="checkpoint directory of a one-off run (default: the pipeline's, "
+                   "artifacts/<model>/<method>-<budget>/model, with its MLflow run)")

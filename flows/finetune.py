@@ -19,6 +19,7 @@ from tasks import tracking
 from tasks.artifacts import publish
 from tasks.finetune import curves_csv, finetune_checkpoint, loss_curves
 from tasks.model import checkpoint_ref, dataset_ref, resolve_model
+from transmla.errors import TransMLAError
 from transmla.io.data import check_document_limit
 from transmla.io.paths import check_output, write_text_atomic
 from transmla.training import layerwise
@@ -30,6 +31,9 @@ from .params import Profile
 @flow(name="finetune")
 def finetune(profile: Profile, model: str, method: str, budget: float, checkpoint: str | None = None,
              out: str | None = None) -> dict:
+    if checkpoint is not None and out is None:
+        raise TransMLAError(f"--checkpoint {checkpoint} is not the pipeline's conversion: its fine-tune would replace "
+                            "the pipeline's fine-tuned model and MLflow run.", "pass --out DIR for the fine-tuned model.")
     ft = profile.finetune
     if out is not None:  # a directory the user named: refused now if in use, not after hours of training
         check_output(out, "new_dir")
@@ -45,9 +49,10 @@ def finetune(profile: Profile, model: str, method: str, budget: float, checkpoin
     curves = loss_curves(record["log_history"])
     summary = {"model": model, "method": method, "budget": budget, "corpora": list(ft.corpora),
                **{k: v for k, v in record.items() if k != "log_history"}}
-    if out is None:  # pipeline outputs; an explicit --out is a one-off run
-        write_text_atomic(layout.training_file(model, method, budget), json.dumps(summary, indent=2, default=str))
-        write_text_atomic(layout.loss_curve_file(model, method, budget), curves_csv(curves))
+    if out is not None:  # a one-off run: never the pipeline's records or MLflow run
+        return ref
+    write_text_atomic(layout.training_file(model, method, budget), json.dumps(summary, indent=2, default=str))
+    write_text_atomic(layout.loss_curve_file(model, method, budget), curves_csv(curves))
     tracking.track(profile.mlflow.experiment, model, method, budget, finetuned=True,
                    # the trained weights' hash too: a new conversion under the same settings trains anew, and
                    # its curves must not be kept beside (MLflow keeps a curve once per run) the first training's
@@ -64,6 +69,7 @@ def finetune(profile: Profile, model: str, method: str, budget: float, checkpoin
 
 
 if __name__ == "__main__":
-    _cli.entry(finetune, __doc__, variant=True, new_outputs={"out": "new_dir"},
-               checkpoint="converted model dir (default artifacts/<model>/<method>-<budget>/model)",
-               out="fine-tuned model dir (default artifacts/<model>/<method>-<budget>-ft/model)")
+    _cli.entry(finetune, __doc__, variant=True, new_outputs={"out": "new_dir"}, tracked="out",
+               checkpoint="converted model dir (default artifacts/<model>/<method>-<budget>/model; another needs --out)",
+               out="fine-tuned model dir of a one-off run (default: the pipeline's, "
+                   "artifacts/<model>/<method>-<budget>-ft/model, with its records and MLflow run)")

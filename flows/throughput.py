@@ -20,6 +20,7 @@ from tasks import tracking
 from tasks.artifacts import load_json
 from tasks.model import checkpoint_ref, resolve_model
 from tasks.throughput import throughput, tracked, vllm_throughput, write_report
+from transmla.errors import TransMLAError
 from transmla.runtime import vllm_env
 from transmla.runtime.throughput import processor_name
 
@@ -42,6 +43,9 @@ def serving_check(profile: Profile, checkpoint: Path) -> dict:
 @flow(name="throughput")
 def throughput_flow(profile: Profile, model: str, method: str, budget: float, checkpoint: str | None = None,
                     out: str | None = None) -> dict:
+    if checkpoint is not None and out is None:
+        raise TransMLAError(f"--checkpoint {checkpoint} is not the pipeline's model: its measurement would replace the "
+                            "pipeline's report and MLflow run.", "pass --out DIR for its report.")
     tp = profile.throughput
     ckpt = Path(checkpoint or layout.checkpoint_dir(model, method, budget))
     original, converted = resolve_model(profile.model(model).source), checkpoint_ref(ckpt, "convert")
@@ -57,6 +61,8 @@ def throughput_flow(profile: Profile, model: str, method: str, budget: float, ch
     title = f"{model} {layout.variant(method, budget)} vs original"
     dest = Path(out or layout.throughput_dir(model, method, budget))
     write_report(result, title, dest)
+    if out is not None:  # a one-off run (another checkpoint or folder): never the pipeline's MLflow run
+        return result
     # a run of its own under the variant's, replaced by each new measurement (a cached one keeps it): curves are
     # logged once per run, so a re-measured curve beside the conversion's params would keep the first one
     measurement = hashlib.sha256(json.dumps(result, sort_keys=True, default=str).encode()).hexdigest()
@@ -67,6 +73,7 @@ def throughput_flow(profile: Profile, model: str, method: str, budget: float, ch
 
 
 if __name__ == "__main__":
-    _cli.entry(throughput_flow, __doc__, variant=True, new_outputs={"out": "new_dir"},
-               checkpoint="converted model dir (default artifacts/<model>/<method>-<budget>/model)",
-               out="output dir (default reports/throughput/<model>/<method>-<budget>)")
+    _cli.entry(throughput_flow, __doc__, variant=True, new_outputs={"out": "new_dir"}, tracked="out",
+               checkpoint="converted model dir (default artifacts/<model>/<method>-<budget>/model; another needs --out)",
+               out="output dir of a one-off run (default: the pipeline's, reports/throughput/<model>/<method>-<budget>, "
+                   "with its MLflow run)")

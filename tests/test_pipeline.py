@@ -227,6 +227,39 @@ def test_convert_cache_keys(tmp_path, tiny_dir, monkeypatch):
         convert(prof, "tiny", "transmla", 0.25, out=default[0]["path"])
 
 
+def test_one_off_runs_leave_the_pipelines_records_alone(tmp_path, tiny_dir, monkeypatch):
+    """--out makes a one-off run: convert logged it into the pipeline's MLflow run (its metrics over the pipeline
+    checkpoint's), finetune deleted and replaced the pipeline's run; --checkpoint alone (throughput, finetune)
+    wrote another checkpoint's results over the pipeline's own report or model. A deleted experiment is refused
+    before any work, with the fix that restores it (MLflow refused the run after the stage's work)."""
+    import mlflow
+
+    from flows import _cli
+    from flows.convert import convert
+    from flows.finetune import finetune
+    from flows.params import load_profile
+    from flows.throughput import throughput_flow
+
+    monkeypatch.chdir(tmp_path)
+    prof = load_profile(write_profile(tmp_path, tiny_dir, name="oneoffrun"))
+    mine = str(tmp_path / "mine")
+    convert(prof, "oneoffrun", "transmla", 0.25, out=mine)
+    finetune(prof, "oneoffrun", "transmla", 0.25, checkpoint=mine, out=str(tmp_path / "mine-ft"))
+    assert (tmp_path / "mine-ft/config.json").is_file() and not (tmp_path / "reports").exists()
+    runs = mlflow.search_runs(experiment_names=["transmla"], output_format="list",
+                              filter_string="tags.`transmla.model` = 'oneoffrun'")
+    assert runs == []
+    for flow in (throughput_flow, finetune):
+        with pytest.raises(TransMLAError, match="is not the pipeline's .*pass --out DIR"):
+            flow(prof, "oneoffrun", "transmla", 0.25, checkpoint=mine)
+    assert not (tmp_path / "artifacts").exists() and not (tmp_path / "reports").exists()
+    client = mlflow.tracking.MlflowClient()
+    client.delete_experiment(client.create_experiment("deleted-one"))
+    with pytest.raises(TransMLAError, match="'deleted-one' .* is deleted.*Fix: restore it"):
+        _cli.check_tracking("deleted-one")
+    _cli.check_tracking("not-made-yet")  # an experiment that does not exist yet is made by the first run
+
+
 def test_a_model_name_pointed_at_another_source_gets_a_new_tracking_run(tmp_path, tiny_dir, monkeypatch):
     """MLflow: the (model, method, budget) run of a conversion is replaced when the name's source changes (its
     params are write-once: the reused run kept the old source beside the new metrics)."""
@@ -238,9 +271,9 @@ def test_a_model_name_pointed_at_another_source_gets_a_new_tracking_run(tmp_path
     monkeypatch.chdir(tmp_path)
     other = tmp_path / "other-release"
     shutil.copytree(tiny_dir, other)
-    for source in (tiny_dir, other):
+    for source in (tiny_dir, other):  # the pipeline's own conversion (a one-off --out logs nothing)
         prof = load_profile(write_profile(tmp_path, source, name="srcswap"))
-        convert(prof, "srcswap", "transmla", 0.25, out=str(tmp_path / f"ckpt-{source.name}"))
+        convert(prof, "srcswap", "transmla", 0.25)
     runs = mlflow.search_runs(experiment_names=["transmla"], output_format="list",
                               filter_string="tags.`transmla.model` = 'srcswap' and tags.`transmla.role` = 'variant'")
     assert len(runs) == 1 and runs[0].data.params["source"] == str(other)
