@@ -107,11 +107,14 @@ def check_inputs(kwargs: dict) -> None:
                             "the pipeline's own.")
 
 
-def check_tracking() -> None:
-    """The MLflow store answers (tasks.tracking.check_store), before a flow that logs to it starts its work."""
+def check_tracking(experiment: str | None = None) -> None:
+    """The MLflow store answers (tasks.tracking.check_store) and the experiment, where it exists, is not deleted,
+    before a flow that logs to it starts its work."""
     from tasks import tracking
 
     tracking.check_store()
+    if experiment is not None:
+        tracking.check_experiment(experiment)
 
 
 def run(main) -> None:
@@ -382,7 +385,7 @@ def entry(flow, doc: str, variant: bool | str = False, model: bool = True, new_o
         check_new_outputs(args, new_outputs or {})
         check_inputs(kwargs)
         if tracked is True or (isinstance(tracked, str) and tracked not in kwargs):
-            check_tracking()
+            check_tracking(profile.mlflow.experiment)
         result = flow(profile, *pos, **kwargs)
         if isinstance(result, str):
             print(result)

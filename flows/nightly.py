@@ -262,7 +262,7 @@ def main():
     overrides = _cli.overrides_of(args) or None
     profile = load_profile(args.params, overrides)  # validate before serving or running
     _cli.check_profile_device(profile)
-    _cli.check_tracking()
+    _cli.check_tracking(profile.mlflow.experiment)
     if args.serve:
         from prefect import serve
 

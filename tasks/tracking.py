@@ -67,13 +67,28 @@ def check_store(uri: str | None = None, timeout: float = 5.0) -> None:
                                     "not a folder.", f"point MLFLOW_TRACKING_URI at a path in a folder, or {_LOCAL_FIX}.")
 
 
-def _client(experiment: str):
+def check_experiment(experiment: str) -> None:
+    """The experiment, where it exists, is active (checked before a stage's work, as check_store): MLflow refuses
+    every run in a deleted one, which a stage found out only when it logged, after its outputs were written."""
+    uri = os.environ["MLFLOW_TRACKING_URI"]
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):].split("?", 1)[0]).is_file():
+        return  # no store yet: no experiment (and no database to create here)
+    _client(experiment, create=False)
+
+
+def _client(experiment: str, create: bool = True):
     import mlflow
     from mlflow.tracking import MlflowClient
 
     mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment)
+    if exp is not None and exp.lifecycle_stage == "deleted":
+        raise TransMLAError(f"MLflow experiment {experiment!r} (id {exp.experiment_id}) is deleted: MLflow logs no run "
+                            "in it.", f"restore it (mlflow experiments restore --experiment-id {exp.experiment_id}, "
+                            "with MLFLOW_TRACKING_URI set as here), or name another in the params' mlflow.experiment.")
+    if exp is None and not create:
+        return None, None
     if exp is None:
         # a tracking server (http[s]://) keeps the artifacts where it was told to (`mlflow server
         # --artifacts-destination`, proxied to clients); a local store keeps them beside the pipeline's store
