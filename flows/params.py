@@ -200,7 +200,8 @@ class ThroughputParams(Strict):
     budgets: tuple[float, ...] = ()  # () = no throughput stage
 
     _decimal = field_validator("budgets", mode="before")(_decimal_budgets)
-    contexts: tuple[int, ...] = (512, 1024, 2048, 4096)  # steady decode at each total context length
+    # steady decode at each total context length (at least one: the report's table and Fig. 6 are of it)
+    contexts: tuple[int, ...] = Field((512, 1024, 2048, 4096), min_length=1)
     batch: int = Field(8, ge=1)
     steps: int = Field(8, ge=1)  # timed decode steps per context (after 2 warm-up steps)
     repeats: int = Field(3, ge=1)  # steady-decode measurements per cell: the report gives their median and range

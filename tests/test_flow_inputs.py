@@ -301,6 +301,8 @@ def test_nightly_params_are_validated_at_load(override, field):
     ({"finetune.corpora": ["c4-demo", "wikitext2-test"]}, ["finetune.corpora", "wikitext2-test is an evaluation split"]),
     # packed into 0 blocks at the fine-tune stage, after the conversions, with a fix about seqlen
     ({"finetune.corpora": []}, ["finetune.corpora", "at least 1 item"]),
+    # measured, then the report's Fig. 6 failed on no points (a traceback, no report)
+    ({"throughput.contexts": []}, ["throughput.contexts", "at least 1 item"]),
     ({"calibration.dataset": "wikitext2-train+wikitext2-test"}, ["calibration.dataset", "includes wikitext2-test, the set perplexity is measured on"]),
     # numpy refused them inside the stage, after the model had loaded
     ({"calibration.seed": -1}, ["calibration.seed", "greater than or equal to 0"]),
