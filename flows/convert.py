@@ -15,7 +15,6 @@ from __future__ import annotations
 from prefect import flow
 
 from tasks import tracking
-from tasks.artifacts import file_ref
 from tasks.bkv import layer_basis
 from tasks.export import export_checkpoint
 from tasks.model import resolve_model, spec_of
@@ -25,7 +24,7 @@ from transmla.config import ConvertOptions
 from transmla.pipeline.budget import resolve_budget
 
 from . import _cli, layout
-from .calibrate import calibration_data, stats_for
+from .calibrate import calibration_data, stats_file_ref, stats_for
 from .params import Profile
 
 
@@ -48,7 +47,7 @@ def converted(profile: Profile, model_ref: dict, o: ConvertOptions, out: str, st
     b = resolve_budget(spec_of(model_ref), o)  # an impossible budget fails here, not after calibration
     stats = None
     if o.normalized().calibration != "sequential":  # the original model's statistics (sequential makes its own)
-        stats = file_ref(stats_file) if stats_file else stats_for(profile, model_ref)
+        stats = stats_file_ref(stats_file, model_ref) if stats_file else stats_for(profile, model_ref)
     if o.streamed:  # layer l depends on the converted layers before it: one task, in layer order
         streamed = streamed_layers(model_ref, calibration_data(profile), stats, list(b.plan), b.kv_lora_rank,
                                    o.stream_options())

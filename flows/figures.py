@@ -14,7 +14,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from tasks.artifacts import file_ref, load_json
+from tasks.artifacts import load_json
 from tasks.bkv import basis_of
 from tasks.calibrate import stats_of
 from tasks.evaluate import perplexity
@@ -30,7 +30,7 @@ from transmla.io.paths import write_text_atomic
 from transmla.method.rope import standard_plan
 
 from . import _cli, layout
-from .calibrate import stats_for
+from .calibrate import stats_file_ref, stats_for
 from .convert import layer_steps
 from .params import Profile
 
@@ -86,7 +86,7 @@ def figures(profile: Profile, model: str, stats_file: str | None = None, out_dir
     model_ref = resolve_model(profile.model(model).source)
     spec = spec_of(model_ref)
     check_figures(profile, spec)
-    stats = file_ref(stats_file) if stats_file else stats_for(profile, model_ref)
+    stats = stats_file_ref(stats_file, model_ref) if stats_file else stats_for(profile, model_ref)
     out = layout.figures_dir(model) if out_dir is None else Path(out_dir)
     L, w = f.layer, attention_weights(load(model_ref["path"])[0], f.layer)
     m = stats_of(stats).moments(L)

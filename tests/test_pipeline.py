@@ -159,6 +159,31 @@ def test_cli_missing_input_is_one_line_before_the_run(tmp_path, module, option):
     assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
 
 
+def test_a_stats_file_of_other_shapes_is_refused_before_the_conversion(tmp_path, tiny_dir, monkeypatch):
+    """--stats-file was only checked to be a file: a weights file failed in the conversion with KeyError 'n',
+    another model's statistics with fewer layers with an IndexError (tracebacks, exit 1). Now one error naming
+    the shapes; the model's own statistics (flows.calibrate's file) convert as before."""
+    from safetensors.torch import load_file, save_file
+
+    from flows.calibrate import calibrate
+    from flows.convert import convert
+    from flows.params import load_profile
+
+    monkeypatch.chdir(tmp_path)
+    prof = load_profile(write_profile(tmp_path, tiny_dir))
+    own = calibrate(prof, "tiny", out=str(tmp_path / "stats.safetensors"))["path"]
+    t = load_file(own)
+    save_file({k: v for k, v in t.items() if not k.startswith("layers.1.")}, tmp_path / "one-layer.safetensors")
+    cases = [(tiny_dir / "model.safetensors", "not a calibration statistics file"),
+             (tmp_path / "one-layer.safetensors", "statistics of 1 layers of width 64; the model has 2 layers of width 64"),
+             (tiny_dir / "config.json", "not a safetensors file")]
+    for path, words in cases:
+        with pytest.raises(TransMLAError, match=words):
+            convert(prof, "tiny", "transmla", 0.25, out=str(tmp_path / "out"), stats_file=str(path))
+        assert not (tmp_path / "out").exists()
+    assert convert(prof, "tiny", "transmla", 0.25, out=str(tmp_path / "out"), stats_file=own)["transmla"]
+
+
 def test_impossible_budget_is_one_clear_error(tmp_path, tiny_dir, monkeypatch):
     from flows.convert import convert
     from flows.params import load_profile
