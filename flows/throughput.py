@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 from prefect import flow
 
@@ -22,7 +23,7 @@ from tasks.model import checkpoint_ref, resolve_model
 from tasks.throughput import throughput, tracked, vllm_throughput, write_report
 from transmla.errors import TransMLAError
 from transmla.runtime import vllm_env
-from transmla.runtime.throughput import processor_name
+from transmla.runtime.throughput import is_mla, processor_name
 
 from . import _cli, layout
 from .params import Profile
@@ -48,7 +49,13 @@ def throughput_flow(profile: Profile, model: str, method: str, budget: float, ch
                             "pipeline's report and MLflow run.", "pass --out DIR for its report.")
     tp = profile.throughput
     ckpt = Path(checkpoint or layout.checkpoint_dir(model, method, budget))
-    original, converted = resolve_model(profile.model(model).source), checkpoint_ref(ckpt, "convert")
+    converted = checkpoint_ref(ckpt, "convert")
+    config = json.loads((ckpt / "config.json").read_text())
+    if not is_mla(SimpleNamespace(**config)):  # failed after the original's runs, with a fix naming a backend option
+        raise TransMLAError(f"{ckpt} is not an MLA checkpoint (model_type {config.get('model_type')!r}): the stage "
+                            "measures a converted model against its original.",
+                            "point --checkpoint at a `transmla convert` (or flows.convert) output.")
+    original = resolve_model(profile.model(model).source)
     host = processor_name(profile.device)  # timings are this machine's: another's are measured again
     result = load_json(throughput(original, converted, list(tp.contexts), tp.batch, tp.steps,
                                   list(tp.full_contexts), tp.threads, tp.cache_memory_gib, profile.device, tp.repeats,

@@ -277,6 +277,9 @@ def test_one_off_runs_leave_the_pipelines_records_alone(tmp_path, tiny_dir, monk
     for flow in (throughput_flow, finetune):
         with pytest.raises(TransMLAError, match="is not the pipeline's .*pass --out DIR"):
             flow(prof, "oneoffrun", "transmla", 0.25, checkpoint=mine)
+    # not a conversion: refused before the original's runs (their end named a backend option the flow lacks)
+    with pytest.raises(TransMLAError, match="is not an MLA checkpoint .*'llama'.*Fix: point --checkpoint at"):
+        throughput_flow(prof, "oneoffrun", "transmla", 0.25, checkpoint=str(tiny_dir), out=str(tmp_path / "tp"))
     assert not (tmp_path / "artifacts").exists() and not (tmp_path / "reports").exists()
     client = mlflow.tracking.MlflowClient()
     client.delete_experiment(client.create_experiment("deleted-one"))
