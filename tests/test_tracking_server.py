@@ -283,3 +283,21 @@ def test_the_evaluation_tags_are_the_last_runs_whole_set():
     tags = client.get_run(run_id).data.tags
     assert {k: v for k, v in tags.items() if k.startswith("eval.")} == {"eval.limit": "5", "eval.limits.piqa": "3"}
     assert tags["transmla.model"] == "tiny"  # the run's own tags, outside the prefix, stay
+
+
+def test_a_store_that_answers_but_refuses_mlflow_is_one_error_before_the_work(monkeypatch):
+    """check_store takes any HTTP answer (an auth proxy's 403 too); the experiment check that follows it then
+    asked MLflow outside the store-error wrapper, and every tracked flow ended in a bare MlflowException traceback."""
+    from mlflow.exceptions import MlflowException
+
+    from tasks import tracking
+    from transmla.errors import TransMLAError
+
+    def refused(*a, **k):
+        raise MlflowException("API request to endpoint /api/2.0/mlflow/experiments/get-by-name failed with error "
+                              "code 403 != 200")
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    monkeypatch.setattr(tracking, "_client", refused)
+    with pytest.raises(TransMLAError, match="MLflow tracking into http://127.0.0.1:9 failed: .*403"):
+        tracking.check_experiment("transmla")
