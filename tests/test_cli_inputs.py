@@ -726,3 +726,15 @@ def test_convert_refuses_an_empty_or_broken_calibration_path_before_loading(llam
     words = ["has no string 'text'"] if content.startswith("{") else ["holds no text", "path:"]
     _refused(["convert", "--model", str(llama_dir), "--out", str(root / "o"), "--cal-dataset", f"path:{f}", *common],
              capsys, root, *words)
+
+
+def test_the_cli_starts_without_torch():
+    """`transmla --help`, an argument error or a dry run answer before torch loads (seconds of start-up): a
+    loader module's top-level import of the torch-backed io.lazy made every command load it."""
+    import subprocess
+    import sys
+
+    code = "import sys, transmla.cli, transmla.io.sources; assert 'torch' not in sys.modules, 'torch imported'"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 0, r.stderr

@@ -38,7 +38,6 @@ from pathlib import Path
 from transmla.errors import TransMLAError
 from transmla.io import pypi
 from transmla.io.paths import atomic_dir, cache_dir, new_output_dir
-from transmla.io.lazy import safetensors_files
 
 DEFAULT_SOURCE = "smollm2-135m"
 METADATA_FILE = "transmla_source.json"
@@ -769,6 +768,8 @@ def check_model_dir(path: Path) -> None:
             "or copy / download the weight files into it.",
         )
     if "model.safetensors" not in names:  # sharded: every shard the index names must be there
+        from transmla.io.lazy import safetensors_files  # here: io.lazy imports torch, which the CLI's start does not
+
         _read_config(path / "model.safetensors.index.json")  # a corrupt index: refused as a corrupt JSON file
         safetensors_files(path)
     if not any(next(path.glob(pat), None) for pat in TOKENIZER_PATTERNS):
