@@ -125,7 +125,11 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
     root = (Path(out_root) if out_root else layout.ARTIFACTS / "nightly").resolve()
     seen = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     code = variant_code()
-    data = variant_data(profile)  # a data file missing or refused: one error before any release is fetched
+    try:  # the data every variant reads: a file missing or refused, or the hub down, fails each variant, and the
+        data, data_error = variant_data(profile), None  # report is still written (as for a release that fails)
+    except Exception as e:  # noqa: BLE001
+        data, data_error = None, f"the night's data: {one_line(e)}"
+        log.error(data_error)
     records = []
     for entry in night.watch:
         spec = entry if isinstance(entry, str) else entry.model_dump()
@@ -145,6 +149,10 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
             model_ref, original, setup_error = None, None, None
             for budget in night.budgets:
                 for method in night.methods:
+                    if data_error is not None:
+                        records.append({**base, "method": method, "budget": budget, "status": "failed",
+                                        "reason": data_error})
+                        continue
                     key = job_key(f"{rel['source']}#{rel['release_id']}", profile.convert_options(method, budget).model_dump(),
                                   profile.evaluation.model_dump(), code, data)
                     entry_file = LEDGER / f"{key}.json"

@@ -471,6 +471,11 @@ def test_a_release_scored_on_older_data_is_converted_again_once(tmp_path, make_m
     (data / "benchmarks/piqa_validation.jsonl").write_text("")  # a benchmark the profile does not run
     assert [r["status"] for r in N.nightly(prof)] == ["skipped"]
     assert len(fast_variants["converted"]) == 4
+    # data the night cannot read fails each variant, with the reason, and the report is still written
+    (data / "wikitext2/train_partial.jsonl").unlink()
+    (rec,) = N.nightly(prof)
+    assert rec["status"] == "failed" and "the night's data" in rec["reason"] and "train_partial.jsonl" in rec["reason"]
+    assert "1 failed" in (tmp_path / "nightly.md").read_text() and len(fast_variants["converted"]) == 4
 
 
 def test_unreachable_index_is_unresolved_and_fails_the_night(tmp_path, monkeypatch, capsys):
