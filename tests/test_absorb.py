@@ -306,6 +306,12 @@ def test_float16_decode_scores_past_its_range(kernel, monkeypatch):
     got = scaled_latent_attention(query.half(), latent.half(), key_scale.half(), None, scaling, r)
     assert got.isfinite().all()
     assert (got.double()[:, :, 0] - ref).abs().max() < 1e-2
+    # a key scale below 1 (a large key's norm): the scaled product passes 65504 before the key scale brings it back
+    big, small = 0.9, torch.full((B, h, T, 1), 2e-3)
+    assert (query[0, 0, 0] @ latent[0, 3]).item() * big > 65504
+    ref = torch.softmax((query.double()[:, :, 0] @ latent.double().transpose(1, 2)) * big * small.double()[..., 0], -1)
+    got = scaled_latent_attention(query.half(), latent.half(), small.half(), None, big, r)
+    assert got.isfinite().all() and (got.double()[:, :, 0] - ref @ latent.double()[..., :r]).abs().max() < 1e-2
     cap = 50.0
     ref = torch.softmax(torch.tanh(scores / cap) * cap, -1) @ latent.double()[..., :r]
     got = scaled_latent_attention(query.half(), latent.half(), None, None, scaling, r, softcap=cap)

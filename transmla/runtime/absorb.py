@@ -457,9 +457,10 @@ def scaled_latent_attention(query: torch.Tensor, latent: torch.Tensor, key_scale
     """
     B, h, S, _ = query.shape
     T = latent.shape[1]
-    # scaled before the product, in the input dtype: a float16 raw score q.k can pass 65504 where the scaled
-    # one does not (inf, then NaN), as stock SDPA's kernel, which scales inside, never does
-    scores = torch.matmul(query * scaling, latent.unsqueeze(1).transpose(-1, -2)).float()  # [B, h, S, T]
+    # float16 scores in float32: a raw score q.k can pass 65504 where the scaled one does not (inf, then NaN), and
+    # a key scale below 1 (Qwen3's key norm of a large key) can bring a product past the range back into it
+    q, lat = (query.float(), latent.float()) if query.dtype == torch.float16 else (query, latent)
+    scores = torch.matmul(q * scaling, lat.unsqueeze(1).transpose(-1, -2)).float()  # [B, h, S, T]
     if key_scale is not None:
         scores = scores * key_scale.transpose(-1, -2).float()
     if softcap is not None:
