@@ -32,8 +32,8 @@ from .params import Profile
 def finetune(profile: Profile, model: str, method: str, budget: float, checkpoint: str | None = None,
              out: str | None = None) -> dict:
     if checkpoint is not None and out is None:
-        raise TransMLAError(f"--checkpoint {checkpoint} is not the pipeline's conversion: its fine-tune would replace "
-                            "the pipeline's fine-tuned model and MLflow run.", "pass --out DIR for the fine-tuned model.")
+        raise TransMLAError(f"--checkpoint {checkpoint} without --out: a one-off fine-tune would replace the pipeline's "
+                            "fine-tuned model and MLflow run.", "pass --out DIR for the fine-tuned model.")
     ft = profile.finetune
     if out is not None:  # a directory the user named: refused now if in use, not after hours of training
         check_output(out, "new_dir")

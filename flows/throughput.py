@@ -45,7 +45,7 @@ def serving_check(profile: Profile, checkpoint: Path) -> dict:
 def throughput_flow(profile: Profile, model: str, method: str, budget: float, checkpoint: str | None = None,
                     out: str | None = None) -> dict:
     if checkpoint is not None and out is None:
-        raise TransMLAError(f"--checkpoint {checkpoint} is not the pipeline's model: its measurement would replace the "
+        raise TransMLAError(f"--checkpoint {checkpoint} without --out: a one-off measurement would replace the "
                             "pipeline's report and MLflow run.", "pass --out DIR for its report.")
     tp = profile.throughput
     ckpt = Path(checkpoint or layout.checkpoint_dir(model, method, budget))

@@ -275,7 +275,7 @@ def test_one_off_runs_leave_the_pipelines_records_alone(tmp_path, tiny_dir, monk
                               filter_string="tags.`transmla.model` = 'oneoffrun'")
     assert runs == []
     for flow in (throughput_flow, finetune):
-        with pytest.raises(TransMLAError, match="is not the pipeline's .*pass --out DIR"):
+        with pytest.raises(TransMLAError, match="without --out: a one-off .*pass --out DIR"):
             flow(prof, "oneoffrun", "transmla", 0.25, checkpoint=mine)
     # not a conversion: refused before the original's runs (their end named a backend option the flow lacks)
     with pytest.raises(TransMLAError, match="is not an MLA checkpoint .*'llama'.*Fix: point --checkpoint at"):
