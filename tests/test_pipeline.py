@@ -271,6 +271,7 @@ def test_one_off_runs_leave_the_pipelines_records_alone(tmp_path, tiny_dir, monk
     convert(prof, "oneoffrun", "transmla", 0.25, out=mine)
     finetune(prof, "oneoffrun", "transmla", 0.25, checkpoint=mine, out=str(tmp_path / "mine-ft"))
     assert (tmp_path / "mine-ft/config.json").is_file() and not (tmp_path / "reports").exists()
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])  # no run here set it: another test's may linger
     runs = mlflow.search_runs(experiment_names=["transmla"], output_format="list",
                               filter_string="tags.`transmla.model` = 'oneoffrun'")
     assert runs == []
