@@ -25,6 +25,11 @@ ROLE, MODEL, METHOD, BUDGET, FINETUNED, CONFIG = ("transmla.role", "transmla.mod
 _LOCAL_FIX = f"unset MLFLOW_TRACKING_URI to track into the pipeline's own store ({STORE / 'mlflow.db'})"
 
 
+def _sqlite_path(uri: str) -> Path | None:
+    """The database file of a sqlite:/// store URI (None for other stores)."""
+    return Path(uri[len("sqlite:///"):].split("?", 1)[0]) if uri.startswith("sqlite:///") else None
+
+
 def check_store(uri: str | None = None, timeout: float = 5.0) -> None:
     """The tracking store answers, checked before a stage starts its work: MLflow would find out only
     when the stage logs, after its outputs are written, and retries an absent server for minutes first.
@@ -50,8 +55,8 @@ def check_store(uri: str | None = None, timeout: float = 5.0) -> None:
             reason = " ".join(str(reason).split())[:200]  # a non-HTTP service's greeting spans lines
             raise TransMLAError(f"MLflow tracking server {uri} (MLFLOW_TRACKING_URI) does not answer ({reason}).",
                                 f"start it (e.g. mlflow server --host 127.0.0.1 --port PORT) or {_LOCAL_FIX}.") from None
-    elif uri.startswith("sqlite:///"):
-        path = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+    elif _sqlite_path(uri) is not None:
+        path = _sqlite_path(uri)
         if path.exists():
             ok = path.is_file()
             if ok and path.stat().st_size:
@@ -71,7 +76,7 @@ def check_experiment(experiment: str) -> None:
     """The experiment, where it exists, is active (checked before a stage's work, as check_store): MLflow refuses
     every run in a deleted one, which a stage found out only when it logged, after its outputs were written."""
     uri = os.environ["MLFLOW_TRACKING_URI"]
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):].split("?", 1)[0]).is_file():
+    if _sqlite_path(uri) is not None and not _sqlite_path(uri).is_file():
         return  # no store yet: no experiment (and no database to create here)
     with _StoreErrors():  # a store that answers check_store but refuses MLflow (an auth proxy): one error, now
         _client(experiment, create=False)
