@@ -147,6 +147,8 @@ def test_saved_checkpoint_is_stock_deepseek(trained, blocks, tmp_path):
     meta = json.loads((out / "config.json").read_text())["transmla"]
     assert meta["finetune"]["tokens_trained"] == record["tokens_trained"]
     assert meta["kv_lora_rank"] == loaded.config.kv_lora_rank  # the conversion record survives
+    # Trainer's use_cache=False (for training) is not what the checkpoint says: a plain forward caches
+    assert loaded.config.use_cache is True and loaded(x[:, :4]).past_key_values is not None
     assert not list(out.glob("*.bin")) and list(out.glob("*.safetensors"))
 
 
@@ -890,12 +892,30 @@ def test_epochs_pass_over_the_budgets_blocks_each_once_per_epoch(converted, bloc
     record = finetune(model, blocks[0], blocks[1], cfg, str(tmp_path / "w"))
     assert record["steps"] == 8 and record["tokens_trained"] == 2 * record["distinct_tokens"] == 2 * 16 * 64
     assert seen == Counter({tuple(r): 2 for r in blocks[0][:16].tolist()})
-    # a budget that is not whole steps: the last batch of a pass is partial, and tokens_trained counts the
-    # tokens trained on (it was steps x tokens per step: 768 here against 576)
+    # a budget that is not whole steps: the last batch of a pass is partial (4 + 1 blocks), yet every block is
+    # still trained on `epochs` times (steps counted from tokens ran 3 steps, 9 block-passes of 10), and
+    # tokens_trained counts the tokens trained on (it was steps x tokens per step once: 768 here against 640)
     seen.clear()
     model, _ = load_model(str(converted))
     model.model.embed_tokens.register_forward_pre_hook(record_rows)
     record = finetune(model, blocks[0], blocks[1], _cfg(max_tokens=5 * 64, epochs=2, eval_every=8), str(tmp_path / "w5"))
-    assert record["tokens_trained"] == sum(seen.values()) * 64 == 9 * 64
+    assert record["steps"] == 4 and seen == Counter({tuple(r): 2 for r in blocks[0][:5].tolist()})
+    assert record["tokens_trained"] == sum(seen.values()) * 64 == 10 * 64
+    # grad_accum: a pass of 5 blocks at batch 2 is 3 batches, 2 steps (the last accumulates one batch)
+    assert _cfg(max_tokens=5 * 64, batch_size=2, grad_accum=2, epochs=3).max_steps == 6
     with pytest.raises(TransMLAError, match="epochs"):
         _cfg(epochs=0)
+
+
+def test_a_warmup_as_long_as_the_run_still_trains(converted, blocks, tmp_path):
+    """transformers' warmup starts at rate 0: one step at warmup_ratio 0.6 (warmup_steps 1) left the weights
+    as they were and saved them as fine-tuned, exit 0. The warmup now ends before the last step."""
+    model, _ = load_model(str(converted))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    record = finetune(model, blocks[0], blocks[1], _cfg(max_tokens=4 * 64, warmup_ratio=0.6, eval_every=1),
+                      str(tmp_path / "w"))
+    assert record["steps"] == 1
+    lrs = [h["learning_rate"] for h in record["log_history"] if "learning_rate" in h]
+    assert lrs and all(lr > 0 for lr in lrs)
+    assert record["val_loss_after"] < record["val_loss_before"]
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -399,7 +399,10 @@ def training_arguments(cfg: FinetuneConfig, output_dir: str, eval_on_start: bool
         max_steps=steps,
         learning_rate=cfg.lr,
         lr_scheduler_type=SCHEDULES[cfg.schedule],
-        warmup_steps=int(round(cfg.warmup_ratio * steps)),
+        # transformers' warmup gives step 0 the rate 0 (and step i i/W): a warmup as long as the run trained
+        # nothing (one step at warmup_ratio >= 0.5 left the weights as they were, exit 0), so the last step
+        # always gets past it
+        warmup_steps=min(int(round(cfg.warmup_ratio * steps)), steps - 1),
         weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm,
         bf16=cfg.dtype == "bfloat16",
@@ -718,6 +721,9 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
     torch.manual_seed(cfg.seed)
     attn = model.config._attn_implementation
     teacher_attn = None if teacher is None else teacher.config._attn_implementation
+    # Trainer sets config.use_cache from its arguments (False, for training): the saved model must keep the
+    # converted one's (a plain forward of the fine-tuned checkpoint returned no cache)
+    use_cache = model.config.use_cache
     trainer = None
     # From here the models run the fused causal kernel (packed blocks have no padding: it is exact, faster,
     # and never builds the stock kernel's [B, h, T, T] scores); the finally puts their kernels back whatever
@@ -780,6 +786,7 @@ def finetune(model, train: torch.Tensor, val: torch.Tensor, cfg: FinetuneConfig,
         if trainer is not None and trainer.match is not None:
             trainer.match.remove()
         model.config._attn_implementation = attn
+        model.config.use_cache = use_cache
         if teacher is not None:
             teacher.config._attn_implementation = teacher_attn
     steps_run = trainer.state.global_step - (_step_of(resume) if resume else 0)
