@@ -191,3 +191,69 @@ def test_shared_context_lm_loads_exports_as_load_model_does(tiny_model_dir, tiny
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split()[-1] == "Qwen3MLAForCausalLM"
+
+
+def _save_tiny(model_cls, cfg, tok, out):
+    import torch
+
+    torch.manual_seed(0)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # logits large enough that a missed scaling or window shows
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _matches_lm_eval(path, max_length=64):
+    from lm_eval.models.huggingface import HFLM
+
+    from transmla.evaluation.scoring import SharedContextLM
+
+    ref_lm = HFLM(pretrained=str(path), batch_size=4, max_length=max_length, device="cpu")
+    reqs = _requests(ref_lm)
+    ref = ref_lm._loglikelihood_tokens(reqs, disable_tqdm=True)
+    lm = SharedContextLM(pretrained=str(path), batch_size=3, max_length=max_length, device="cpu")
+    new = lm._loglikelihood_tokens(reqs, disable_tqdm=True)
+    for (a, ga), (b, gb) in zip(ref, new):
+        assert b == pytest.approx(a, abs=1e-4)
+        assert ga == gb
+    return lm, reqs
+
+
+def test_requests_too_long_to_pack_keep_an_sdpa_sliding_window(tiny_tokenizer, tmp_path):
+    """A request longer than the window goes through lm-eval's own path on the same model. With the SDPA
+    routing's attention name unknown to transformers' mask functions it got no mask at all: plain causal
+    attention past Mistral's window (0.3 nats off here, 4 on a Gemma 3), exit 0."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from transmla.evaluation.scoring import MASKED_PADDED_SDPA, pack_limit
+
+    cfg = MistralConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                        sliding_window=16, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    path = _save_tiny(MistralForCausalLM, cfg, tiny_tokenizer, tmp_path / "mistral")
+    lm, reqs = _matches_lm_eval(path)
+    assert lm.model.config._attn_implementation == MASKED_PADDED_SDPA and pack_limit(lm.model, 64) == 16
+    assert sum(len(c) + len(x) > 16 for _, c, x in reqs) > len(reqs) // 2  # most go the unpacked way
+
+
+@pytest.mark.parametrize("family", ["granite", "gpt2"])
+def test_families_the_packed_path_would_misread_are_scored_by_lm_eval(family, tiny_tokenizer, tmp_path):
+    """The packed path runs model.model and the head: Granite divides its logits by logits_scaling (0.37 nats
+    off, exit 0) and GPT-2 has no `.model` (an AttributeError traceback). Families outside the convertible ones
+    are scored the way lm-eval scores them."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GraniteConfig, GraniteForCausalLM
+
+    if family == "granite":
+        cfg = GraniteConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                            logits_scaling=8.0, bos_token_id=0, eos_token_id=0)
+        path = _save_tiny(GraniteForCausalLM, cfg, tiny_tokenizer, tmp_path / family)
+    else:
+        cfg = GPT2Config(vocab_size=len(tiny_tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                         bos_token_id=0, eos_token_id=0)
+        path = _save_tiny(GPT2LMHeadModel, cfg, tiny_tokenizer, tmp_path / family)
+    _matches_lm_eval(path)

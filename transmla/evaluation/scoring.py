@@ -52,8 +52,13 @@ def use_masked_padded_sdpa(model):
     """Route a model's SDPA attention through masked_padded_sdpa (others, e.g. eager soft-capped layers, are kept)."""
     if getattr(model.config, "_attn_implementation", None) == "sdpa":
         from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
         AttentionInterface.register(MASKED_PADDED_SDPA, masked_padded_sdpa)
+        # without a mask function of its own transformers passes attention_mask=None for this name: lm-eval's own
+        # path (requests too long to pack) then ran plain causal attention, past a sliding window (Mistral,
+        # Gemma 3: log-likelihoods off by up to 4 nats, exit 0). A packed call's explicit 4D mask passes through.
+        AttentionMaskInterface.register(MASKED_PADDED_SDPA, sdpa_mask)
         model.config._attn_implementation = MASKED_PADDED_SDPA
     return model
 
@@ -73,6 +78,17 @@ def pack_limit(model, max_length: int) -> int:
     cfg = model.config.get_text_config()
     window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
     return min(max_length, window) if window else max_length
+
+
+def shares_contexts(model) -> bool:
+    """Whether the packed path scores `model` as its own forward would: it runs `model.model` and the output
+    head with at most Gemma's final soft-capping, so only families whose head does nothing else qualify (the
+    convertible ones, their MLA exports). Others (Granite's logits_scaling, Cohere's logit_scale, GPT-2's
+    `transformer`) go through lm-eval's own path, which calls the whole model."""
+    from transmla.adapters import SUPPORTED
+    from transmla.models import MODEL_TYPES
+
+    return getattr(model.config, "model_type", None) in {*SUPPORTED, *MODEL_TYPES, "deepseek_v3"}
 
 
 def softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -116,6 +132,11 @@ class SharedContextLM(HFLM):
         use_masked_padded_sdpa(self.model)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        if not shares_contexts(self.model):
+            longest = max((len(c) for _, _, c in requests), default=0)
+            if longest > self.max_length:
+                raise self._too_long(longest)
+            return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, (_, ctx, cont) in enumerate(requests):
             groups.setdefault(tuple(ctx), []).append(i)
@@ -137,10 +158,8 @@ class SharedContextLM(HFLM):
                 packs.append((list(ctx), cur))
         out: list[tuple[float, bool] | None] = [None] * len(requests)
         longest = max((len(requests[i][2]) for i in alone), default=0)
-        if longest > self.max_length:  # lm-eval truncates the context from the left, never a choice: it asserts
-            raise TransMLAError(f"a benchmark choice is {longest} tokens, longer than the model's context window "
-                                f"({self.max_length} tokens): it cannot be scored.",
-                                "evaluate a model with a longer context, or leave that benchmark out (--tasks).")
+        if longest > self.max_length:
+            raise self._too_long(longest)
         if alone:
             for i, r in zip(alone, super()._loglikelihood_tokens([requests[i] for i in alone], disable_tqdm, override_bs)):
                 out[i] = r
@@ -174,6 +193,12 @@ class SharedContextLM(HFLM):
                     bar.update(1)
         bar.close()
         return out
+
+    def _too_long(self, longest: int) -> TransMLAError:
+        # lm-eval truncates the context from the left, never a choice: it asserts
+        return TransMLAError(f"a benchmark choice is {longest} tokens, longer than the model's context window "
+                             f"({self.max_length} tokens): it cannot be scored.",
+                             "evaluate a model with a longer context, or leave that benchmark out (--tasks).")
 
     def _score_choices(self, h: torch.Tensor, head, choices, rows: int = HEAD_ROWS):
         """(request index, log-likelihood, greedy) of every choice of a batch. h [B, T, D]: the batch's
