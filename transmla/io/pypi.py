@@ -43,20 +43,29 @@ def _pip_error(proc: subprocess.CompletedProcess) -> str:
 # a name that does not exist: its retry warnings, and at verbosity 2 (the -vv _pip passes where it looks names
 # up) the page it skipped, retries or not
 _BROKEN = re.compile(r"Retrying \(.*?\) after connection broken by '(.+?)': (\S+)")
-_SKIPPED = re.compile(r"Could not fetch URL (\S+?): (?:connection error|There was a problem confirming the ssl "
-                      r"certificate): (.+?) - skipping")
+# (any page it skipped but a missing project's: a 404 / 410 is the bad name pip's own message is right about; a server
+# error, 503s past the retries, or a 401 / 403 refusal is the index's trouble, which pip words as a bad name too)
+_SKIPPED = re.compile(r"Could not fetch URL (\S+?): (?:connection error: |There was a problem confirming the ssl "
+                      r"certificate: )?(.+?) - skipping")
+_NOT_FOUND = re.compile(r"(?:404|410) Client Error")
+_DENIED = re.compile(r"(?:401|403) Client Error")
 _CAUSE = re.compile(r"\[Errno [^\]]+\] [^'\")]+|[Tt]imed out|Name or service not known|Temporary failure in name "
-                    r"resolution|CERTIFICATE_VERIFY_FAILED|ProxyError")
+                    r"resolution|CERTIFICATE_VERIFY_FAILED|ProxyError|too many \d+ error responses|"
+                    r"\d{3} (?:Client|Server) Error: [A-Za-z ]+?(?= for url)")
 
 
 def _unreachable(name: str, proc: subprocess.CompletedProcess) -> TransMLAError | None:
     """The error for a pip run that failed because the index could not be reached (None if it was reached)."""
     text = proc.stdout + proc.stderr
-    found = [(cause, url) for url, cause in _SKIPPED.findall(text)] + _BROKEN.findall(text)
+    found = [(cause, url) for url, cause in _SKIPPED.findall(text) if not _NOT_FOUND.match(cause)] + _BROKEN.findall(text)
     if proc.returncode == 0 or not found:
         return None
     cause, where = found[-1]
     short = _CAUSE.search(cause)
+    if _DENIED.match(cause):
+        return TransMLAError(f"The package index refused the lookup of {name} ({short.group(0)}, at {where}).",
+                             "give pip the index's credentials (user:token in PIP_INDEX_URL, .netrc or keyring), or "
+                             "point it at an index you may read (--index-url / PIP_INDEX_URL / pip.conf).")
     return TransMLAError(f"The package index could not be reached while looking up {name} "
                          f"({short.group(0) if short else cause[:100]}, at {where}).",
                          "check the network, or point pip at a reachable index (--index-url / PIP_INDEX_URL / "
