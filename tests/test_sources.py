@@ -957,6 +957,11 @@ def test_a_corrupt_length_in_a_gguf_header_is_a_truncated_file(tmp_path):
     bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 2**62) + b"general.architecture")
     with pytest.raises(TransMLAError, match="Could not read the GGUF header"):
         read_metadata(bad)
+    # a file cut inside its header says so (an empty EOFError printed as "()")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(b"GGUF" + struct.pack("<I", 3))
+    with pytest.raises(TransMLAError, match=r"Could not read the GGUF header of .*cut.gguf \(truncated\)"):
+        read_metadata(cut)
 
 
 def test_local_gguf_release_is_judged_from_its_header(tmp_path):

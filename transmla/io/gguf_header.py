@@ -118,7 +118,7 @@ def read_metadata(paths: str | os.PathLike | list) -> dict:
         _check_data_extent(paths, s.total, meta, s.total - s.left, extents)
         return meta
     except (EOFError, struct.error, ValueError) as e:
-        raise TransMLAError(f"Could not read the GGUF header of {paths[0]} ({e or 'truncated'}).",
+        raise TransMLAError(f"Could not read the GGUF header of {paths[0]} ({str(e) or 'truncated'}).",
                             "check that the file is a complete GGUF file.") from e
     finally:
         s.close()
