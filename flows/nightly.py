@@ -75,6 +75,24 @@ def variant_code() -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+def ledger_entry(path: Path, log=None) -> dict | None:
+    """A variant's ledger entry, or None: none yet, or one that cannot be read (cut short by a full disk, edited
+    by hand). That variant is converted again and its entry rewritten; a JSON error here stopped the night, the
+    remaining releases and the report with it."""
+    if not path.is_file():
+        return None
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        entry = e
+    if isinstance(entry, dict):
+        return entry
+    if log is not None:
+        log.warning(f"ledger entry {path} is unreadable ({entry if isinstance(entry, Exception) else 'not an object'}): "
+                    "its variant is converted again")
+    return None
+
+
 def release_dir(release_id: str) -> str:
     """A short, filesystem-safe folder name for a release id: a commit or content hash cut to 12 hex digits,
     a PyPI pin (pkg==1.2) as it reads, with a hash of the whole id where it had to be shortened."""
@@ -153,11 +171,13 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                         records.append({**base, "method": method, "budget": budget, "status": "failed",
                                         "reason": data_error})
                         continue
-                    key = job_key(f"{rel['source']}#{rel['release_id']}", profile.convert_options(method, budget).model_dump(),
+                    # a local path's identity: ./dm and /abs/dm, dir:dm, are one release (two conversions of it before)
+                    key = job_key(f"{rel.get('identity') or rel['source']}#{rel['release_id']}",
+                                  profile.convert_options(method, budget).model_dump(),
                                   profile.evaluation.model_dump(), code, data)
                     entry_file = LEDGER / f"{key}.json"
                     rec = {**base, "method": method, "budget": budget, "key": key}
-                    done_before = json.loads(entry_file.read_text()) if entry_file.is_file() else None
+                    done_before = ledger_entry(entry_file, log)
                     # a ledger entry whose checkpoint was removed (a pruned artifacts/nightly) is converted again
                     if done_before is not None and Path(done_before.get("checkpoint", "")).is_dir():
                         log.info(f"{rel['source']} {method} {budget}: release {rel['release_id'][:12]} already done, skipped")

