@@ -111,7 +111,11 @@ def test_unfold_and_fold_keep_the_function(converted, blocks):
     assert n == model.config.num_hidden_layers * (2 if model.config.q_lora_rank else 1)
     assert all(isinstance(l.self_attn.kv_a_layernorm, UnfoldedNorm) for l in model.model.layers)
     assert (_logprobs(model, x) - ref).abs().max() < 1e-4
+    head_calls = []  # the fold reads the latent only: no [batch, tokens, vocab] logits (its memory peak)
+    hook = model.get_output_embeddings().register_forward_hook(lambda *a: head_calls.append(1))
     fold_latent_norms(model, blocks[1])
+    hook.remove()
+    assert not head_calls
     assert not any(isinstance(l.self_attn.kv_a_layernorm, UnfoldedNorm) for l in model.model.layers)
     assert (_logprobs(model, x) - ref).abs().max() < 1e-4
     assert latent_norm_identity_error(model, x) < 1e-5
