@@ -26,6 +26,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import run  # noqa: E402
 
 from transmla.training.distill import recovery_loss  # noqa: E402
 
@@ -122,4 +125,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main)

@@ -19,6 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import run  # noqa: E402
 
 from transmla.io.data import load_texts  # noqa: E402
 from transmla.io.sources import load_model  # noqa: E402
@@ -52,4 +55,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

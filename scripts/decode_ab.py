@@ -23,6 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import run  # noqa: E402
 
 from transmla.errors import TransMLAError  # noqa: E402
 from transmla.io.paths import check_output, write_text_atomic  # noqa: E402
@@ -103,4 +106,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -24,6 +24,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from _common import run  # noqa: E402
 
 
 def run_convert(model: str, out: Path, load: str, extra: list[str]) -> dict:
@@ -71,16 +74,18 @@ def main() -> int:
     from transmla.io.lazy import float32_bytes
     from transmla.io.sources import materialize
 
-    rows = []
+    rows, f32s = [], []  # f32s: each float32 size unrounded (a tiny model's rounds to 0.000 GiB)
     extra = ["--kv-cache-ratio", a.kv_cache_ratio]
     if a.cal_batch_size is not None:
         extra += ["--cal-batch-size", str(a.cal_batch_size)]
     with tempfile.TemporaryDirectory(prefix="layer-streamed-") as tmp:
-        for m in a.models:
+        for i, m in enumerate(a.models):
             f32 = float32_bytes(AutoConfig.from_pretrained(materialize(m))) / 2**30
-            mem = run_convert(m, Path(tmp) / f"{m}-model", "model", extra)
-            lay = run_convert(m, Path(tmp) / f"{m}-layers", "layers", extra)
-            diff = max_logprob_diff(Path(tmp) / f"{m}-model", Path(tmp) / f"{m}-layers")
+            # named by index: a source is no file name (an absolute path put the folders outside tmp)
+            mem = run_convert(m, Path(tmp) / f"{i}-model", "model", extra)
+            lay = run_convert(m, Path(tmp) / f"{i}-layers", "layers", extra)
+            diff = max_logprob_diff(Path(tmp) / f"{i}-model", Path(tmp) / f"{i}-layers")
+            f32s.append(f32)
             rows.append({"model": m, "float32_gib": round(f32, 3), "kv_cache_ratio": float(a.kv_cache_ratio),
                          "model_peak_rss_gib": mem["peak_rss_gib"], "layers_peak_rss_gib": lay["peak_rss_gib"],
                          "model_conversion_peak_gib": mem["conversion_peak_rss_gib"],
@@ -103,11 +108,11 @@ def main() -> int:
              "tokenising WikiText-2 train peaks at the bracketed data figure whatever the model.", "",
              "| model | float32 size | data prep peak | peak RSS, in memory | peak RSS, layer-streamed | streamed conversion / float32 | wall, in memory | wall, streamed | ratio | max log-prob diff |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
+    for r, f32 in zip(rows, f32s):
         lines.append(f"| {r['model']} | {r['float32_gib']:.2f} GiB | {r['calibration_data_peak_gib']:.2f} GiB | "
                      f"{r['model_peak_rss_gib']:.2f} ({r['model_conversion_peak_gib']:.2f}) GiB | "
                      f"{r['layers_peak_rss_gib']:.2f} ({r['layers_conversion_peak_gib']:.2f}) GiB | "
-                     f"{r['layers_conversion_peak_gib'] / r['float32_gib']:.2f} | "
+                     f"{r['layers_conversion_peak_gib'] / f32:.2f} | "
                      f"{r['model_wall_s']:.0f} s | {r['layers_wall_s']:.0f} s | {r['layers_wall_s'] / r['model_wall_s']:.2f} | "
                      f"{r['max_logprob_diff']:.1e} |")
     write_text_atomic(out / "README.md", "\n".join(lines) + "\n")
@@ -115,4 +120,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main)

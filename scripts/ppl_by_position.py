@@ -18,6 +18,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import run  # noqa: E402
 
 from transmla.evaluation.perplexity import tokenize_corpus  # noqa: E402
 from transmla.io.data import load_texts  # noqa: E402
@@ -66,4 +69,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

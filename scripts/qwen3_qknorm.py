@@ -34,8 +34,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
+from transmla.errors import TransMLAError  # noqa: E402
 from transmla.io.data import load_texts  # noqa: E402
-from transmla.io.paths import write_text_atomic  # noqa: E402
+from transmla.io.paths import check_output, write_text_atomic  # noqa: E402
 
 
 def tokenizer():
@@ -135,8 +136,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--ppl-tokens", type=int, default=32768)
-    ap.add_argument("--out", default=str(REPO / "reports" / "architectures" / "qwen3-qknorm"))
+    ap.add_argument("--out", default=str(REPO / "reports" / "architectures" / "qwen3-qknorm"),
+                    help="the reports' path without suffix: OUT.json and OUT.md are written")
     args = ap.parse_args()
+    if args.steps < 1 or args.ppl_tokens < 1:  # 0 steps divided by zero in the lr schedule, 0 tokens in the ppl
+        ap.error("--steps and --ppl-tokens must be >= 1")
+    try:  # what it writes, checked now, not after the training and five conversions
+        for f in (Path(args.out).with_suffix(".json"), Path(args.out).with_suffix(".md")):
+            check_output(f, "file")
+    except TransMLAError as e:
+        ap.error(str(e))
     from transformers import AutoModelForCausalLM
 
     import transmla.models  # noqa: F401

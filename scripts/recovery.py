@@ -37,14 +37,17 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from _common import report_stem, run  # noqa: E402
 
 from transmla.cli import build_parser, finetune_config  # noqa: E402
 from transmla.config import FINETUNE_CORPORA, FinetuneConfig  # noqa: E402
 from transmla.errors import TransMLAError  # noqa: E402
 from transmla.evaluation.perplexity import perplexity, tokenize_corpus  # noqa: E402
 from transmla.io.data import load_texts  # noqa: E402
-from transmla.io.paths import write_text_atomic  # noqa: E402
-from transmla.io.sources import load_model  # noqa: E402
+from transmla.io.paths import check_output, write_text_atomic  # noqa: E402
+from transmla.io.sources import load_model, source_info  # noqa: E402
 from transmla.runtime.fast_attention import use_causal_padded_sdpa  # noqa: E402
 from transmla.training import layerwise  # noqa: E402
 
@@ -129,6 +132,20 @@ def index(folder: Path) -> str:
     return "\n".join(lines)
 
 
+def check_checkpoint_source(ap, checkpoint: str, meta: dict, model: str) -> None:
+    """--checkpoint converted from another model than --model: the runs would distil from (and the report measure
+    the gap to) a model the checkpoint never was. Compared by content hash, as the conversion recorded it
+    (source_info: no weights loaded)."""
+    recorded = meta.get("source_content_hash")
+    if recorded is None:  # an older record, or a source without one (a hub id): nothing to compare
+        return
+    now = source_info(model).get("content_hash")
+    if now is not None and now != recorded:
+        ap.error(f"--checkpoint {checkpoint} was converted from {meta.get('source') or 'another model'} (content "
+                 f"hash {recorded[:12]}), not from --model {model} ({now[:12]}); pass the --model it was converted "
+                 "from")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="the original model (any transmla source): converted, then the teacher")
@@ -153,7 +170,7 @@ def main() -> None:
         ap.error(f"unknown runs {bad}: choose from {list(RUNS)}")
     # bad input is refused before the original model's perplexity (minutes): each run's finetune options too,
     # else a flag one objective refuses (--kd-weight with lm) would fail after the runs before it (hours)
-    epochs = 1.0
+    cfgs = {}  # run -> its FinetuneConfig (epochs, and whether a layer-wise phase runs before the end-to-end one)
     owned = {"objective": "--objective", "max_tokens": "--max-tokens", "teacher": "--teacher", "corpora": "--corpora",
              "model": "--model", "out": "--out", "work_dir": "--work-dir"}
     for name in runs:
@@ -169,7 +186,7 @@ def main() -> None:
             ap.error(f"{', '.join(changed)} after --: each run sets {', '.join(owned.values())} itself; use --runs, "
                      "--max-tokens, --model or --out of this script instead")
         try:
-            epochs = finetune_config(flags).epochs
+            cfgs[name] = finetune_config(flags)
         except TransMLAError as e:
             ap.error(f"run {name} (--objective {objective} {' '.join(args.finetune_args)}): {e}")
     if args.checkpoint:
@@ -188,7 +205,12 @@ def main() -> None:
         ap.error(f"--budget {args.budget}: the fraction of the KV cache kept must be in (0, 1]")
     if args.ppl_tokens < 2048 or args.max_tokens < 1:
         ap.error("--ppl-tokens must hold one 2048-token window and --max-tokens be positive")
-    out = Path(args.out or REPO / "reports" / "recovery" / f"{args.model}-{args.budget}.json")
+    out = Path(args.out or REPO / "reports" / "recovery" / f"{report_stem(args.model)}-{args.budget}.json")
+    try:  # an --out it cannot write (a directory) fails now, not after the runs
+        for f in (out, out.with_suffix(".md")):
+            check_output(f, "file")
+    except TransMLAError as e:
+        ap.error(str(e))
     protocol = {"ppl_tokens": args.ppl_tokens, "machine": f"CPU, {torch.get_num_threads()} threads",
                 "training": f"{args.max_tokens:,} tokens, `transmla finetune` defaults {' '.join(args.finetune_args)}".strip()}
     res = json.loads(out.read_text()) if out.is_file() else {}
@@ -199,6 +221,14 @@ def main() -> None:
                  "choose another --out")
     if res.get("protocol") != protocol:
         res = {**start, "protocol": protocol, "rows": []}
+    # an equal-time run takes its tokens from rows measured before it (in this invocation or the resumed --out):
+    # refused now, not after the original's perplexity and a conversion
+    for i, name in enumerate(runs):
+        before = set(runs[:i]) | {r["run"] for r in res["rows"]}
+        if name in TIMED and not {"lm", TIMED[name]} <= before:
+            ap.error(f"run {name} needs the lm and {TIMED[name]} runs first (--runs lm,{TIMED[name]},{name})")
+    if args.checkpoint:
+        check_checkpoint_source(ap, args.checkpoint, meta, args.model)
     model, tok = load_model(args.model, dtype="float32")
     tests = {d: tokenize_corpus(tok, load_texts(d)) for d in DATASETS}
 
@@ -235,8 +265,12 @@ def main() -> None:
                 if kd is None or lm is None:
                     raise SystemExit(f"{name} needs the lm and {TIMED[name]} runs first (--runs lm,{TIMED[name]},{name})")
                 # kd's seconds at lm's speed are tokens trained in all; --max-tokens counts distinct ones, which
-                # --epochs repeats
-                tokens = int(kd["seconds"] * lm["tokens_per_second"] / epochs)
+                # --epochs repeats. kd's seconds hold its layer-wise phase: where this run has one too, its own
+                # phase fills that share, so only kd's end-to-end seconds are matched (else it ran a phase longer)
+                seconds = kd["seconds"]
+                if cfgs[name].layerwise_epochs > 0:
+                    seconds -= (kd.get("layerwise") or {}).get("seconds", 0)
+                tokens = int(seconds * lm["tokens_per_second"] / cfgs[name].epochs)
             # a run killed in an earlier invocation left its work folder under --keep: a rerun resumed it and
             # recorded the resumed part's seconds as the run's (its tokens/s, and the equal-time runs after it,
             # wrong). Only that folder: a finished model there (the output is written whole) is refused by finetune
@@ -272,4 +306,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)
