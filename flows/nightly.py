@@ -85,10 +85,10 @@ def ledger_entry(path: Path, log=None) -> dict | None:
         entry = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         entry = e
-    if isinstance(entry, dict):
-        return entry
+    if isinstance(entry, dict) and isinstance(entry.get("checkpoint"), str) and entry["checkpoint"]:
+        return entry  # (no checkpoint named: Path("") is the working directory, which "exists": skipped on nothing)
     if log is not None:
-        log.warning(f"ledger entry {path} is unreadable ({entry if isinstance(entry, Exception) else 'not an object'}): "
+        log.warning(f"ledger entry {path} is unreadable ({entry if isinstance(entry, Exception) else 'no checkpoint named'}): "
                     "its variant is converted again")
     return None
 

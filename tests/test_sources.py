@@ -463,8 +463,9 @@ def test_an_unreachable_index_is_named_as_such(tmp_path, monkeypatch):
         assert "No matching distribution" not in str(e.value) and "PIP_INDEX_URL" in e.value.fix
 
 
-@pytest.mark.parametrize("status", [503, 403, 404])
-def test_an_index_that_answers_with_an_error_is_not_called_a_bad_name(status, tmp_path, monkeypatch):
+@pytest.mark.parametrize("status,reason", [(503, None), (403, None), (403, ""), (401, "Unauthorized (token expired)"),
+                                           (404, None)])
+def test_an_index_that_answers_with_an_error_is_not_called_a_bad_name(status, reason, tmp_path, monkeypatch):
     """pip words an index's server error (503s past its retries) or refusal (403) as 'No matching distribution
     found', as for a name that does not exist, and the lookup's error then said to check the package name. Only
     a 404 (the project is not there) is that; the others name the index's trouble and its fix."""
@@ -477,7 +478,7 @@ def test_an_index_that_answers_with_an_error_is_not_called_a_bad_name(status, tm
         protocol_version = "HTTP/1.1"
 
         def do_GET(self):
-            self.send_response(status)
+            self.send_response(status, reason)  # (a reason phrase of the server's own: "" or not a word)
             self.send_header("Content-Length", "0")
             self.end_headers()
 
@@ -497,8 +498,8 @@ def test_an_index_that_answers_with_an_error_is_not_called_a_bad_name(status, tm
         server.server_close()
     if status == 503:
         assert "could not be reached" in str(e.value) and "503" in str(e.value) and "network" in e.value.fix
-    elif status == 403:
-        assert "refused the lookup" in str(e.value) and "403" in str(e.value) and "credentials" in e.value.fix
+    elif status in (401, 403):
+        assert "refused the lookup" in str(e.value) and str(status) in str(e.value) and "credentials" in e.value.fix
     else:
         assert "check the package name" in e.value.fix
     assert (status == 404) == ("package name" in e.value.fix)

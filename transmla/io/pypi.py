@@ -30,8 +30,10 @@ def normalise(name: str) -> str:
 
 
 def _pip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pip", *args, "--disable-pip-version-check"],
-                          capture_output=True, text=True)
+    # --no-input: an index asking for credentials (401) made pip prompt for a user on a stdin it does not have,
+    # and its EOFError traceback was all the error said; pip now skips the page, which _unreachable names
+    return subprocess.run([sys.executable, "-m", "pip", *args, "--disable-pip-version-check", "--no-input"],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL)
 
 
 def _pip_error(proc: subprocess.CompletedProcess) -> str:
@@ -51,7 +53,7 @@ _NOT_FOUND = re.compile(r"(?:404|410) Client Error")
 _DENIED = re.compile(r"(?:401|403) Client Error")
 _CAUSE = re.compile(r"\[Errno [^\]]+\] [^'\")]+|[Tt]imed out|Name or service not known|Temporary failure in name "
                     r"resolution|CERTIFICATE_VERIFY_FAILED|ProxyError|too many \d+ error responses|"
-                    r"\d{3} (?:Client|Server) Error: [A-Za-z ]+?(?= for url)")
+                    r"\d{3} (?:Client|Server) Error: [^\n]*?(?= for url)")
 
 
 def _unreachable(name: str, proc: subprocess.CompletedProcess) -> TransMLAError | None:
@@ -63,7 +65,8 @@ def _unreachable(name: str, proc: subprocess.CompletedProcess) -> TransMLAError 
     cause, where = found[-1]
     short = _CAUSE.search(cause)
     if _DENIED.match(cause):
-        return TransMLAError(f"The package index refused the lookup of {name} ({short.group(0)}, at {where}).",
+        return TransMLAError(f"The package index refused the lookup of {name} "
+                             f"({short.group(0) if short else cause[:100]}, at {where}).",
                              "give pip the index's credentials (user:token in PIP_INDEX_URL, .netrc or keyring), or "
                              "point it at an index you may read (--index-url / PIP_INDEX_URL / pip.conf).")
     return TransMLAError(f"The package index could not be reached while looking up {name} "
