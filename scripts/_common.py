@@ -24,6 +24,20 @@ def report_stem(model: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", model).strip("._-") or "model"
 
 
+def check_report_out(ap, out: Path) -> Path:
+    """Refuse now, through `ap`, a report path the script could not write at its end (a directory): `out` (.json)
+    and the .md written beside it. Returns `out`."""
+    from transmla.errors import TransMLAError
+    from transmla.io.paths import check_output
+
+    try:
+        for f in (out, out.with_suffix(".md")):
+            check_output(f, "file")
+    except TransMLAError as e:
+        ap.error(str(e))
+    return out
+
+
 def run(main) -> None:
     """Run a script's main() and exit with its return value; a TransMLAError (a bad --model: no such path, not a
     model source, not an MLA model) is one line on stderr and exit status 2, as `transmla` prints its errors,

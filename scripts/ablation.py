@@ -42,15 +42,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from _common import report_stem, run  # noqa: E402
+from _common import check_report_out, report_stem, run  # noqa: E402
 
 from transmla.config import ConvertOptions  # noqa: E402
 from transmla.convert import calibration_windows  # noqa: E402
-from transmla.errors import TransMLAError  # noqa: E402
 from transmla.evaluation import prompts  # noqa: E402
 from transmla.evaluation.perplexity import perplexity, tokenize_corpus  # noqa: E402
 from transmla.io.data import load_texts  # noqa: E402
-from transmla.io.paths import check_output, write_text_atomic  # noqa: E402
+from transmla.io.paths import write_text_atomic  # noqa: E402
 from transmla.io.sources import load_model  # noqa: E402
 from transmla.runtime.fast_attention import use_causal_padded_sdpa  # noqa: E402
 
@@ -259,12 +258,8 @@ def main() -> None:
         ap.error(f"--budgets {args.budgets!r}: each fraction of the KV cache kept must be in (0, 1]")
     if args.repeats < 1 or args.ppl_tokens < args.seqlen or args.seqlen < 2:
         ap.error("--repeats must be >= 1, --seqlen >= 2 and --ppl-tokens >= --seqlen (one window)")
-    out = Path(args.out or REPO / "reports" / "ablation" / f"{report_stem(args.model)}.json")
-    try:  # an --out it cannot write (a directory) fails now, not after the conversions
-        for f in (out, out.with_suffix(".md")):
-            check_output(f, "file")
-    except TransMLAError as e:
-        ap.error(str(e))
+    # an --out it cannot write (a directory) is refused now, not after the conversions
+    out = check_report_out(ap, Path(args.out or REPO / "reports" / "ablation" / f"{report_stem(args.model)}.json"))
     o = ConvertOptions()
     protocol = {"ppl_tokens": args.ppl_tokens, "seqlen": args.seqlen, "machine": f"CPU, {torch.get_num_threads()} threads",
                 "calibration": f"{o.cal_nsamples} x {o.cal_seqlen} tokens of {o.cal_dataset}"}

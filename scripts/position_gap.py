@@ -27,13 +27,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from _common import report_stem, run  # noqa: E402
+from _common import check_report_out, report_stem, run  # noqa: E402
 from ablation import ROWS, convert_row  # noqa: E402
 
-from transmla.errors import TransMLAError  # noqa: E402
 from transmla.evaluation.perplexity import tokenize_corpus  # noqa: E402
 from transmla.io.data import _path_texts, load_texts  # noqa: E402
-from transmla.io.paths import check_output, write_text_atomic  # noqa: E402
+from transmla.io.paths import write_text_atomic  # noqa: E402
 from transmla.io.sources import load_model  # noqa: E402
 
 WINDOW, N_WINDOWS = 128, 24
@@ -96,12 +95,8 @@ def main() -> None:
         ap.error(f"unknown rows {bad}: choose from {list(ROWS)}")
     if not 0 < args.budget <= 1:  # before the reference NLL (minutes)
         ap.error(f"--budget {args.budget}: the fraction of the KV cache kept must be in (0, 1]")
-    out = Path(args.out or REPO / "reports" / "ablation" / f"{report_stem(args.model)}-positions.json")
-    try:  # an --out it cannot write (a directory) fails now, not after the conversions
-        for f in (out, out.with_suffix(".md")):
-            check_output(f, "file")
-    except TransMLAError as e:
-        ap.error(str(e))
+    # an --out it cannot write (a directory) is refused now, not after the conversions
+    out = check_report_out(ap, Path(args.out or REPO / "reports" / "ablation" / f"{report_stem(args.model)}-positions.json"))
     model, tok = load_model(args.model, dtype="float32")
     sets = {"prose": windows(tokenize_corpus(tok, load_texts("c4-demo"))),
             "code": windows(tokenize_corpus(tok, held_out_code()))}

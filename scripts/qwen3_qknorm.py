@@ -33,10 +33,11 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "scripts"))
 
-from transmla.errors import TransMLAError  # noqa: E402
+from _common import check_report_out  # noqa: E402
 from transmla.io.data import load_texts  # noqa: E402
-from transmla.io.paths import check_output, write_text_atomic  # noqa: E402
+from transmla.io.paths import write_text_atomic  # noqa: E402
 
 
 def tokenizer():
@@ -141,11 +142,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.steps < 1 or args.ppl_tokens < 1:  # 0 steps divided by zero in the lr schedule, 0 tokens in the ppl
         ap.error("--steps and --ppl-tokens must be >= 1")
-    try:  # what it writes, checked now, not after the training and five conversions
-        for f in (Path(args.out).with_suffix(".json"), Path(args.out).with_suffix(".md")):
-            check_output(f, "file")
-    except TransMLAError as e:
-        ap.error(str(e))
+    check_report_out(ap, Path(args.out).with_suffix(".json"))  # now, not after the training and five conversions
     from transformers import AutoModelForCausalLM
 
     import transmla.models  # noqa: F401

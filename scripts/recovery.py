@@ -39,14 +39,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from _common import report_stem, run  # noqa: E402
+from _common import check_report_out, report_stem, run  # noqa: E402
 
 from transmla.cli import build_parser, finetune_config  # noqa: E402
 from transmla.config import FINETUNE_CORPORA, FinetuneConfig  # noqa: E402
 from transmla.errors import TransMLAError  # noqa: E402
 from transmla.evaluation.perplexity import perplexity, tokenize_corpus  # noqa: E402
 from transmla.io.data import load_texts  # noqa: E402
-from transmla.io.paths import check_output, write_text_atomic  # noqa: E402
+from transmla.io.paths import write_text_atomic  # noqa: E402
 from transmla.io.sources import load_model, source_info  # noqa: E402
 from transmla.runtime.fast_attention import use_causal_padded_sdpa  # noqa: E402
 from transmla.training import layerwise  # noqa: E402
@@ -205,12 +205,8 @@ def main() -> None:
         ap.error(f"--budget {args.budget}: the fraction of the KV cache kept must be in (0, 1]")
     if args.ppl_tokens < 2048 or args.max_tokens < 1:
         ap.error("--ppl-tokens must hold one 2048-token window and --max-tokens be positive")
-    out = Path(args.out or REPO / "reports" / "recovery" / f"{report_stem(args.model)}-{args.budget}.json")
-    try:  # an --out it cannot write (a directory) fails now, not after the runs
-        for f in (out, out.with_suffix(".md")):
-            check_output(f, "file")
-    except TransMLAError as e:
-        ap.error(str(e))
+    # an --out it cannot write (a directory) is refused now, not after the runs
+    out = check_report_out(ap, Path(args.out or REPO / "reports" / "recovery" / f"{report_stem(args.model)}-{args.budget}.json"))
     protocol = {"ppl_tokens": args.ppl_tokens, "machine": f"CPU, {torch.get_num_threads()} threads",
                 "training": f"{args.max_tokens:,} tokens, `transmla finetune` defaults {' '.join(args.finetune_args)}".strip()}
     res = json.loads(out.read_text()) if out.is_file() else {}
@@ -260,10 +256,9 @@ def main() -> None:
             corpora = [c for c in FINETUNE_CORPORA if c != drop]
             tokens = args.max_tokens
             if name in TIMED:
-                kd = next((r for r in res["rows"] if r["run"] == TIMED[name]), None)
-                lm = next((r for r in res["rows"] if r["run"] == "lm"), None)
-                if kd is None or lm is None:
-                    raise SystemExit(f"{name} needs the lm and {TIMED[name]} runs first (--runs lm,{TIMED[name]},{name})")
+                # (both rows are there: the order was checked before the model loaded, and a failed run exits)
+                kd = next(r for r in res["rows"] if r["run"] == TIMED[name])
+                lm = next(r for r in res["rows"] if r["run"] == "lm")
                 # kd's seconds at lm's speed are tokens trained in all; --max-tokens counts distinct ones, which
                 # --epochs repeats. kd's seconds hold its layer-wise phase: where this run has one too, its own
                 # phase fills that share, so only kd's end-to-end seconds are matched (else it ran a phase longer)

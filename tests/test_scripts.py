@@ -258,11 +258,11 @@ def test_default_report_of_any_source_lies_in_the_reports_folder(monkeypatch, sc
     mod = _script(script)
     seen = []
 
-    def check_output(path, kind="new_dir", flag="--out"):
-        seen.append(Path(path))
+    def check_report_out(ap, out):
+        seen.append(Path(out))
         raise _Loaded
 
-    monkeypatch.setattr(mod, "check_output", check_output, raising=False)
+    monkeypatch.setattr(mod, "check_report_out", check_report_out)
     monkeypatch.setattr(mod, "load_model", _no_load)
     with pytest.raises(_Loaded):
         _main(mod, monkeypatch, "--model", model)
