@@ -132,16 +132,12 @@ class SharedContextLM(HFLM):
         use_masked_padded_sdpa(self.model)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
-        if not shares_contexts(self.model):
-            longest = max((len(c) for _, _, c in requests), default=0)
-            if longest > self.max_length:
-                raise self._too_long(longest)
-            return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, (_, ctx, cont) in enumerate(requests):
             groups.setdefault(tuple(ctx), []).append(i)
         packs, alone = [], []  # packs: (context, [request indices])
-        limit = pack_limit(self.model, self.max_length)
+        # a family the packed path would misread: every request goes lm-eval's own way, as one too long to pack
+        limit = pack_limit(self.model, self.max_length) if shares_contexts(self.model) else 0
         for ctx, idx in groups.items():
             cur, size = [], len(ctx)
             for i in idx:
@@ -158,8 +154,10 @@ class SharedContextLM(HFLM):
                 packs.append((list(ctx), cur))
         out: list[tuple[float, bool] | None] = [None] * len(requests)
         longest = max((len(requests[i][2]) for i in alone), default=0)
-        if longest > self.max_length:
-            raise self._too_long(longest)
+        if longest > self.max_length:  # lm-eval truncates the context from the left, never a choice: it asserts
+            raise TransMLAError(f"a benchmark choice is {longest} tokens, longer than the model's context window "
+                                f"({self.max_length} tokens): it cannot be scored.",
+                                "evaluate a model with a longer context, or leave that benchmark out (--tasks).")
         if alone:
             for i, r in zip(alone, super()._loglikelihood_tokens([requests[i] for i in alone], disable_tqdm, override_bs)):
                 out[i] = r
@@ -193,12 +191,6 @@ class SharedContextLM(HFLM):
                     bar.update(1)
         bar.close()
         return out
-
-    def _too_long(self, longest: int) -> TransMLAError:
-        # lm-eval truncates the context from the left, never a choice: it asserts
-        return TransMLAError(f"a benchmark choice is {longest} tokens, longer than the model's context window "
-                             f"({self.max_length} tokens): it cannot be scored.",
-                             "evaluate a model with a longer context, or leave that benchmark out (--tasks).")
 
     def _score_choices(self, h: torch.Tensor, head, choices, rows: int = HEAD_ROWS):
         """(request index, log-likelihood, greedy) of every choice of a batch. h [B, T, D]: the batch's
