@@ -373,26 +373,19 @@ class FinetuneConfig(Options):
         return None
 
     @property
-    def tokens_per_step(self) -> int:
-        """Tokens of one optimizer step over every process: batch_size is per device, and a distributed
-        run (torchrun / accelerate launch: WORLD_SIZE processes) trains on WORLD_SIZE batches per step."""
-        import os
-
-        return self.batch_size * self.grad_accum * self.seqlen * int(os.environ.get("WORLD_SIZE", "1"))
-
-    @property
     def max_steps(self) -> int:
         """Optimizer steps for `epochs` passes over the budget's ceil(max_tokens / seqlen) blocks. A pass is
         Trainer's pass: ceil(blocks per process / batch_size) batches, a partial last one included, in
-        ceil(batches / grad_accum) steps. Counting steps from tokens instead (epochs x max_tokens / tokens per
-        step) lost the partial batches' share: 5 blocks at batch 4, epochs 4 ran 14 block-passes, not 20."""
+        ceil(batches / grad_accum) steps (batch_size is per device; a distributed run, torchrun / accelerate
+        launch, splits the blocks over its WORLD_SIZE processes). Counting steps from tokens instead (epochs x
+        max_tokens / tokens per step) lost the partial batches' share: 5 blocks at batch 4, epochs 4 ran 14
+        block-passes, not 20."""
         import math
         import os
 
-        blocks = -(-self.max_tokens // self.seqlen)
-        per_process = -(-blocks // int(os.environ.get("WORLD_SIZE", "1")))
-        steps_per_pass = -(-(-(-per_process // self.batch_size)) // self.grad_accum)
-        return max(1, math.ceil(self.epochs * steps_per_pass))
+        blocks = math.ceil(self.max_tokens / self.seqlen)
+        batches = math.ceil(math.ceil(blocks / int(os.environ.get("WORLD_SIZE", "1"))) / self.batch_size)
+        return max(1, math.ceil(self.epochs * math.ceil(batches / self.grad_accum)))
 
     def train_blocks(self, available: int) -> int:
         """Blocks the run trains on, of `available`: those holding its max_tokens distinct tokens."""

@@ -431,7 +431,7 @@ def training_arguments(cfg: FinetuneConfig, output_dir: str, eval_on_start: bool
         activation_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
     )
     # One process trains on one device. With several GPUs visible and no launcher Trainer would wrap the model
-    # in nn.DataParallel: the batch split over replicas (tokens_per_step counts one), and the loss's hook on
+    # in nn.DataParallel: the batch split over replicas (max_steps counts one), and the loss's hook on
     # the final norm seeing one replica's rows against the whole batch's labels. Several GPUs: torchrun.
     if args.n_gpu > 1:
         args._n_gpu = 1
