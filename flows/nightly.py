@@ -179,7 +179,7 @@ def nightly(params: str = str(DEFAULT_PARAMS), overrides: dict | None = None, ou
                     rec = {**base, "method": method, "budget": budget, "key": key}
                     done_before = ledger_entry(entry_file, log)
                     # a ledger entry whose checkpoint was removed (a pruned artifacts/nightly) is converted again
-                    if done_before is not None and Path(done_before.get("checkpoint", "")).is_dir():
+                    if done_before is not None and Path(done_before["checkpoint"]).is_dir():
                         log.info(f"{rel['source']} {method} {budget}: release {rel['release_id'][:12]} already done, skipped")
                         records.append({**rec, "status": "skipped", **done_before})
                         continue

@@ -55,8 +55,7 @@ def check_store(uri: str | None = None, timeout: float = 5.0) -> None:
             reason = " ".join(str(reason).split())[:200]  # a non-HTTP service's greeting spans lines
             raise TransMLAError(f"MLflow tracking server {uri} (MLFLOW_TRACKING_URI) does not answer ({reason}).",
                                 f"start it (e.g. mlflow server --host 127.0.0.1 --port PORT) or {_LOCAL_FIX}.") from None
-    elif _sqlite_path(uri) is not None:
-        path = _sqlite_path(uri)
+    elif (path := _sqlite_path(uri)) is not None:
         if path.exists():
             ok = path.is_file()
             if ok and path.stat().st_size:
@@ -76,7 +75,7 @@ def check_experiment(experiment: str) -> None:
     """The experiment, where it exists, is active (checked before a stage's work, as check_store): MLflow refuses
     every run in a deleted one, which a stage found out only when it logged, after its outputs were written."""
     uri = os.environ["MLFLOW_TRACKING_URI"]
-    if _sqlite_path(uri) is not None and not _sqlite_path(uri).is_file():
+    if (path := _sqlite_path(uri)) is not None and not path.is_file():
         return  # no store yet: no experiment (and no database to create here)
     with _StoreErrors():  # a store that answers check_store but refuses MLflow (an auth proxy): one error, now
         _client(experiment, create=False)
